@@ -1,0 +1,26 @@
+"""lightning-kl: KL regularization toward a reference model for RL fine-tuning, as Lightning parts."""
+
+from lightning_kl.callback import KLRewardCallback
+from lightning_kl.controllers import AdaptiveKLController, FixedKLController, KLController
+from lightning_kl.estimators import BASE_ESTIMATORS, ESTIMATORS, EstimatorSpec, parse_estimator
+from lightning_kl.functional import AGG_MODES, aggregate, kl_penalty
+from lightning_kl.loss import KLPenaltyLoss
+from lightning_kl.metric import KLMetric
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AGG_MODES",
+    "BASE_ESTIMATORS",
+    "ESTIMATORS",
+    "AdaptiveKLController",
+    "EstimatorSpec",
+    "FixedKLController",
+    "KLController",
+    "KLMetric",
+    "KLPenaltyLoss",
+    "KLRewardCallback",
+    "aggregate",
+    "kl_penalty",
+    "parse_estimator",
+]

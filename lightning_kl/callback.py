@@ -1,0 +1,212 @@
+r"""``KLRewardCallback``: reward shaping with a KL penalty, before ``training_step`` sees the batch."""
+
+from __future__ import annotations
+
+from collections.abc import MutableMapping
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_kl.controllers import FixedKLController, KLController
+from lightning_kl.estimators import parse_estimator
+from lightning_kl.functional import _check_pair, _kl_penalty_compute, check_mask, compute_dtype
+
+__all__ = ["KLRewardCallback"]
+
+
+class KLRewardCallback(Callback):
+    r"""Shape the rewards of a rollout batch with a KL penalty and steer the coefficient.
+
+    In ``on_train_batch_start`` (after the batch is on the device, before ``training_step``), for a
+    batch that is a mapping holding ``[b, t]`` tensors:
+
+    .. math::
+        \texttt{rewards} = \texttt{scores} - \beta \cdot k(\texttt{logprobs} - \texttt{ref\_logprobs})
+
+    with :math:`k` the estimator, 0 where ``mask`` is False (no penalty on padding). ``scores`` is
+    either per token (``[b, t]``) or per sequence (``[b]``, added at each sequence's last valid
+    token, as TRL and verl do). ``rewards`` is written into the batch, in float32 at least.
+
+    Then the controller observes the KL of the *global* batch: the mean, over every sequence on every
+    process that has a valid token, of that sequence's token-mean KL, with ``n_steps`` the global
+    number of such sequences. The sum and the count are reduced with one ``all_reduce`` through
+    ``trainer.strategy``, so every process holds the same :math:`\beta`, and N processes with batch
+    ``b`` behave like one process with batch ``N * b``. The rewards of a batch use the coefficient
+    from before that batch's update.
+
+    Logs ``{log_prefix}coef`` (the :math:`\beta` used for this batch) and ``{log_prefix}value`` (the
+    global KL). The controller's state is saved in Lightning checkpoints.
+
+    Args:
+        estimator: one of :data:`lightning_kl.ESTIMATORS` (``k1`` is the usual choice in the reward).
+        controller: a :class:`~lightning_kl.KLController`; default ``FixedKLController(0.001)``.
+        scores_key, logprobs_key, ref_logprobs_key, mask_key: the batch keys read.
+            ``logprobs`` are the behaviour policy's (the policy that sampled the batch).
+        rewards_key: the batch key written.
+        log_prefix: prefix of the logged names; give two callbacks different prefixes.
+
+    Raises:
+        ValueError: at construction, for an unknown estimator or a bad argument; at a step, for a
+            batch that is not a mapping, misses a key (named, with the keys it has) or holds tensors
+            whose shapes do not fit (named).
+    """
+
+    def __init__(
+        self,
+        estimator: str = "k1",
+        controller: Optional[KLController] = None,
+        scores_key: str = "scores",
+        logprobs_key: str = "logprobs",
+        ref_logprobs_key: str = "ref_logprobs",
+        mask_key: str = "mask",
+        rewards_key: str = "rewards",
+        log_prefix: str = "kl/",
+    ) -> None:
+        super().__init__()
+        self.spec = parse_estimator(estimator)
+        if controller is None:
+            controller = FixedKLController()
+        if not isinstance(controller, KLController):
+            raise ValueError(f"`controller` must be a KLController, got {type(controller).__name__}.")
+        keys = {
+            "scores_key": scores_key,
+            "logprobs_key": logprobs_key,
+            "ref_logprobs_key": ref_logprobs_key,
+            "mask_key": mask_key,
+            "rewards_key": rewards_key,
+        }
+        for arg, key in keys.items():
+            if not isinstance(key, str) or not key:
+                raise ValueError(f"`{arg}` must be a non-empty string, got {key!r}.")
+        if rewards_key in (scores_key, logprobs_key, ref_logprobs_key, mask_key):
+            raise ValueError(f"`rewards_key` {rewards_key!r} would overwrite an input of the callback.")
+        if not isinstance(log_prefix, str):
+            raise ValueError(f"`log_prefix` must be a string, got {log_prefix!r}.")
+        self.controller = controller
+        self.scores_key = scores_key
+        self.logprobs_key = logprobs_key
+        self.ref_logprobs_key = ref_logprobs_key
+        self.mask_key = mask_key
+        self.rewards_key = rewards_key
+        self.log_prefix = log_prefix
+
+    @property
+    def estimator(self) -> str:
+        return self.spec.name
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return self._generate_state_key(estimator=self.spec.name, rewards_key=self.rewards_key, log_prefix=self.log_prefix)
+
+    # -----------------------------------------------------------------------------------------
+    # the per-batch work, callable without a Trainer
+
+    def shape_rewards(self, batch: Any) -> tuple[Tensor, Tensor, Tensor]:
+        """Write ``rewards`` into ``batch``; return it with the local KL sum over sequences and their count.
+
+        The KL statistics are float64 0-d tensors: the sum of each valid sequence's token-mean KL and
+        the number of sequences with at least one valid token.
+        """
+        if not isinstance(batch, MutableMapping):
+            raise TypeError(
+                f"KLRewardCallback needs a rollout batch that is a mutable mapping (a dict), got {type(batch).__name__}."
+            )
+        for key in (self.scores_key, self.logprobs_key, self.ref_logprobs_key, self.mask_key):
+            if key not in batch:
+                raise KeyError(
+                    f"KLRewardCallback: the batch has no key {key!r}. Keys in the batch: {sorted(map(str, batch))}."
+                )
+        scores = batch[self.scores_key]
+        logprobs = batch[self.logprobs_key]
+        ref_logprobs = batch[self.ref_logprobs_key]
+        _check_pair(logprobs, ref_logprobs)
+        if logprobs.ndim < 1:
+            raise ValueError(f"`{self.logprobs_key}` must have a token dimension, got shape {tuple(logprobs.shape)}.")
+        mask = check_mask(batch[self.mask_key], logprobs, self.logprobs_key)
+        assert mask is not None
+        if not isinstance(scores, Tensor):
+            raise TypeError(f"`{self.scores_key}` must be a tensor, got {type(scores).__name__}.")
+
+        with torch.no_grad():
+            kl = _kl_penalty_compute(logprobs, ref_logprobs, self.spec, mask)
+            dtype = compute_dtype(kl, scores) if scores.is_floating_point() else kl.dtype
+            penalty = (self.controller.value * kl).to(dtype)
+            if scores.shape == kl.shape:
+                rewards = scores.to(dtype) - penalty
+            elif scores.shape == kl.shape[:-1]:
+                rewards = self._add_at_last_token(-penalty, scores.to(dtype), mask)
+            else:
+                raise ValueError(
+                    f"`{self.scores_key}` must be per token, shaped like `{self.logprobs_key}` "
+                    f"{tuple(logprobs.shape)}, or per sequence {tuple(logprobs.shape[:-1])}; "
+                    f"got {tuple(scores.shape)}."
+                )
+            batch[self.rewards_key] = rewards
+
+            counts = mask.sum(-1)
+            valid = counts > 0
+            seq_kl = kl.to(torch.float64).sum(-1) / counts.clamp(min=1)
+            kl_sum = torch.where(valid, seq_kl, torch.zeros((), dtype=torch.float64, device=kl.device)).sum()
+            n_seqs = valid.sum().to(torch.float64)
+        return rewards, kl_sum, n_seqs
+
+    def _add_at_last_token(self, rewards: Tensor, scores: Tensor, mask: Tensor) -> Tensor:
+        t = mask.shape[-1]
+        positions = torch.arange(t, device=mask.device).expand_as(mask)
+        last = torch.where(mask, positions, -1).amax(-1)
+        if bool((last < 0).any()):
+            raise ValueError(
+                f"`{self.scores_key}` is per sequence, but some sequence has no valid token in `{self.mask_key}` "
+                "to carry its score."
+            )
+        return rewards.scatter_add(-1, last.unsqueeze(-1), scores.unsqueeze(-1))
+
+    def update_controller(self, kl_sum: float, n_seqs: float) -> Optional[float]:
+        """Update the controller with a global batch's statistics; return its KL (None if empty)."""
+        n = int(round(n_seqs))
+        if n == 0:
+            return None
+        current_kl = kl_sum / n
+        self.controller.update(current_kl, n_steps=n)
+        return current_kl
+
+    # -----------------------------------------------------------------------------------------
+    # Lightning hooks
+
+    @override
+    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
+        coef = self.controller.value
+        rewards, kl_sum, n_seqs = self.shape_rewards(batch)
+        stats = torch.stack([kl_sum, n_seqs])
+        stats = trainer.strategy.reduce(stats, reduce_op="sum")
+        kl_sum_global, n_global = stats.tolist()
+        current_kl = self.update_controller(kl_sum_global, n_global)
+        batch_size = int(rewards.shape[0]) if rewards.ndim > 1 else 1
+        pl_module.log(f"{self.log_prefix}coef", coef, on_step=True, on_epoch=False, batch_size=batch_size)
+        if current_kl is not None:
+            pl_module.log(f"{self.log_prefix}value", current_kl, on_step=True, on_epoch=False, batch_size=batch_size)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "controller_class": type(self.controller).__qualname__,
+            "controller": self.controller.state_dict(),
+            "estimator": self.spec.name,
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved_class = state_dict.get("controller_class")
+        if saved_class != type(self.controller).__qualname__:
+            rank_zero_warn(
+                f"KLRewardCallback: the checkpoint holds a {saved_class} state but this callback has a "
+                f"{type(self.controller).__qualname__}; keeping the configured controller as constructed."
+            )
+            return
+        self.controller.load_state_dict(state_dict["controller"])

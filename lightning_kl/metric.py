@@ -1,0 +1,70 @@
+r"""``KLMetric``: the token-mean of per-token KL values, exact across processes."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+from torchmetrics import Metric
+
+from lightning_kl.functional import _check_floating, check_mask
+
+__all__ = ["KLMetric"]
+
+
+def _kl_metric_update(values: Tensor, mask: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """Masked sum (float64) and valid-token count (int64) of a batch of per-token values."""
+    _check_floating("values", values)
+    mask = check_mask(mask, values, "values")
+    v = values.detach().to(torch.float64)
+    if mask is None:
+        return v.sum(), torch.tensor(v.numel(), dtype=torch.int64, device=v.device)
+    return torch.where(mask, v, torch.zeros((), dtype=v.dtype, device=v.device)).sum(), mask.sum()
+
+
+def _kl_metric_compute(total: Tensor, count: Tensor) -> Tensor:
+    """Token-mean as float32 (accumulated in float64); 0 when no token was seen."""
+    return (total / count.clamp(min=1)).to(torch.float32)
+
+
+class KLMetric(Metric):
+    r"""Token-mean of per-token KL values over every valid token seen since the last reset.
+
+    .. math::
+        \mathrm{KL} = \frac{\sum_{\text{updates}} \sum_t m_t v_t}{\sum_{\text{updates}} \sum_t m_t}
+
+    The state is a float64 masked sum and an int64 token count, both reduced by sum across processes,
+    so ``compute()`` under DDP equals the token-mean of the concatenated data. Positions where the
+    mask is False never reach the state, even if they hold NaN or inf.
+
+    ``update(values, mask=None)``: ``values`` is ``[..., t]`` (any floating dtype, detached here),
+    ``mask`` the same shape (bool, or 0/1 numbers).
+
+    Example:
+        >>> metric = KLMetric()
+        >>> metric.update(torch.tensor([[0.5, 1.5, 9.0]]), torch.tensor([[True, True, False]]))
+        >>> metric.update(torch.tensor([2.0]))
+        >>> metric.compute()  # (0.5 + 1.5 + 2.0) / 3
+        tensor(1.3333)
+    """
+
+    is_differentiable = False
+    higher_is_better = False
+    full_state_update = False
+
+    total: Tensor
+    count: Tensor
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.add_state("total", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("count", default=torch.tensor(0, dtype=torch.int64), dist_reduce_fx="sum")
+
+    def update(self, values: Tensor, mask: Optional[Tensor] = None) -> None:
+        total, count = _kl_metric_update(values, mask)
+        self.total += total
+        self.count += count
+
+    def compute(self) -> Tensor:
+        return _kl_metric_compute(self.total, self.count)
