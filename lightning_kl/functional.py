@@ -76,16 +76,52 @@ def compute_dtype(*tensors: Tensor) -> torch.dtype:
 
 
 def _kl_penalty_compute(
-    logprob: Tensor, ref_logprob: Tensor, spec: EstimatorSpec, mask: Optional[Tensor]
+    logprob: Tensor,
+    ref_logprob: Tensor,
+    spec: EstimatorSpec,
+    mask: Optional[Tensor],
+    old_logprob: Optional[Tensor] = None,
 ) -> Tensor:
-    """Per-token estimate in the compute dtype (float32 for half inputs); 0 where ``mask`` is False."""
+    """Per-token estimate in the compute dtype (float32 for half inputs); 0 where ``mask`` is False.
+
+    The single dispatch point of every caller (the function, the loss, the callback). Inputs are
+    checked by the caller.
+    """
     dtype = compute_dtype(logprob, ref_logprob)
+    zero = torch.zeros((), dtype=dtype, device=logprob.device)
     d = logprob.to(dtype) - ref_logprob.to(dtype)
     if mask is not None:
         # select before the maths so that junk at padded positions never reaches the value or
         # the gradient (where() routes an exact 0 gradient to the unselected inputs)
-        d = torch.where(mask, d, torch.zeros((), dtype=dtype, device=d.device))
-    return estimator_value(spec, d)
+        d = torch.where(mask, d, zero)
+    value = estimator_value(spec, d)
+    if old_logprob is None:
+        return value
+    log_w = logprob.to(dtype) - old_logprob.to(dtype)
+    if mask is not None:
+        log_w = torch.where(mask, log_w, zero)
+    return importance_weight(log_w, spec) * value
+
+
+def importance_weight(log_w: Tensor, spec: EstimatorSpec) -> Tensor:
+    r"""The weight :math:`w = \pi / \pi_{old}` of an off-policy estimate, differentiable or not.
+
+    For tokens sampled from :math:`\pi_{old}`, with :math:`\nabla` taken w.r.t. the policy:
+
+    * ``k1``, ``k3`` (value estimators): :math:`E_{old}[w\,k] = E_\pi[k] = \mathrm{KL}`, and with
+      :math:`w` differentiable (:math:`\nabla w = w \nabla\log\pi`) the per-sample gradient is
+      :math:`w\nabla\log\pi\,(k + k')`, which is :math:`w\,d\,\nabla\log\pi` for ``k3`` and
+      :math:`w(d+1)\nabla\log\pi` for ``k1``: both have expectation
+      :math:`E_\pi[d\,\nabla\log\pi] = \nabla\mathrm{KL}`. ``abs`` and ``low_var_kl`` follow the
+      same rule (their values are biased to begin with).
+    * ``k2`` and every ``+`` name (gradient estimators): their on-policy gradient
+      :math:`d\,\nabla\log\pi` is already the KL gradient's sample, so the weight is *detached*:
+      gradient :math:`w\,d\,\nabla\log\pi`, value :math:`w` times the base value.
+    """
+    w = torch.exp(log_w)
+    if spec.straight_through or spec.base == "k2":
+        return w.detach()
+    return w
 
 
 def _check_pair(logprob: object, ref_logprob: object) -> None:
@@ -101,12 +137,26 @@ def _check_pair(logprob: object, ref_logprob: object) -> None:
         raise ValueError(f"`logprob` is on {logprob.device} but `ref_logprob` is on {ref_logprob.device}.")
 
 
+def check_old_logprob(old_logprob: Optional[Tensor], logprob: Tensor) -> None:
+    if old_logprob is None:
+        return
+    _check_floating("old_logprob", old_logprob)
+    if old_logprob.shape != logprob.shape:
+        raise ValueError(
+            "`old_logprob` must have the shape of `logprob`: got old_logprob "
+            f"{tuple(old_logprob.shape)} and logprob {tuple(logprob.shape)}."
+        )
+    if old_logprob.device != logprob.device:
+        raise ValueError(f"`old_logprob` is on {old_logprob.device} but `logprob` is on {logprob.device}.")
+
+
 def kl_penalty(
     logprob: Tensor,
     ref_logprob: Tensor,
     estimator: str | EstimatorSpec = "k3+",
     *,
     mask: Optional[Tensor] = None,
+    old_logprob: Optional[Tensor] = None,
 ) -> Tensor:
     r"""Per-token estimate of :math:`\mathrm{KL}(\pi \,\|\, \pi_{\mathrm{ref}})` for sampled tokens.
 
@@ -123,6 +173,11 @@ def kl_penalty(
         estimator: one of :data:`lightning_kl.ESTIMATORS` (or a parsed spec).
         mask: optional ``[..., t]`` mask, True on valid tokens. Where it is False the result is 0 with
             a zero gradient, whatever the inputs hold there (NaN, inf, -1e10 padding).
+        old_logprob: optional ``[..., t]`` log-probabilities of the sampled tokens under the policy
+            that sampled them (several PPO epochs per rollout, an inference engine). The estimate is
+            then importance weighted by ``pi / pi_old`` so that its expected value (``k1``, ``k3``) and
+            its expected gradient (``k1``, ``k3``, ``k2`` and every ``+`` name) are those of
+            ``KL(pi || pi_ref)``; see :func:`importance_weight`.
 
     Returns:
         The per-token estimate, same shape as the inputs, in their (promoted) dtype. Half precision
@@ -144,9 +199,10 @@ def kl_penalty(
     """
     spec = parse_estimator(estimator)
     _check_pair(logprob, ref_logprob)
+    check_old_logprob(old_logprob, logprob)
     mask = check_mask(mask, logprob, "logprob")
     out_dtype = torch.promote_types(logprob.dtype, ref_logprob.dtype)
-    return _kl_penalty_compute(logprob, ref_logprob, spec, mask).to(out_dtype)
+    return _kl_penalty_compute(logprob, ref_logprob, spec, mask, old_logprob).to(out_dtype)
 
 
 def aggregate(

@@ -8,7 +8,14 @@ from typing import Optional
 from torch import Tensor, nn
 
 from lightning_kl.estimators import parse_estimator
-from lightning_kl.functional import _check_pair, _kl_penalty_compute, aggregate, check_agg_mode, check_mask
+from lightning_kl.functional import (
+    _check_pair,
+    _kl_penalty_compute,
+    aggregate,
+    check_agg_mode,
+    check_mask,
+    check_old_logprob,
+)
 from lightning_kl.metric import KLMetric
 
 __all__ = ["KLPenaltyLoss"]
@@ -77,10 +84,18 @@ class KLPenaltyLoss(nn.Module):
         """The estimator name as configured."""
         return self.spec.name
 
-    def forward(self, logprob: Tensor, ref_logprob: Tensor, mask: Optional[Tensor] = None) -> Tensor:
+    def forward(
+        self,
+        logprob: Tensor,
+        ref_logprob: Tensor,
+        mask: Optional[Tensor] = None,
+        old_logprob: Optional[Tensor] = None,
+    ) -> Tensor:
+        """The scalar KL loss; ``old_logprob`` (the sampling policy's) importance weights it."""
         _check_pair(logprob, ref_logprob)
+        check_old_logprob(old_logprob, logprob)
         mask = check_mask(mask, logprob, "logprob")
-        kl = _kl_penalty_compute(logprob, ref_logprob, self.spec, mask)
+        kl = _kl_penalty_compute(logprob, ref_logprob, self.spec, mask, old_logprob)
         self.metric(kl.detach(), mask)
         return self.coef * aggregate(kl, mask, self.agg, norm=self.agg_norm)
 
