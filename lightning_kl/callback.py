@@ -13,7 +13,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_kl.controllers import FixedKLController, KLController
-from lightning_kl.estimators import parse_estimator
+from lightning_kl.estimators import SAMPLED_ESTIMATORS, parse_estimator
 from lightning_kl.functional import _check_pair, _kl_penalty_compute, check_mask, compute_dtype
 
 __all__ = ["KLRewardCallback"]
@@ -43,7 +43,8 @@ class KLRewardCallback(Callback):
     global KL). The controller's state is saved in Lightning checkpoints.
 
     Args:
-        estimator: one of :data:`lightning_kl.ESTIMATORS` (``k1`` is the usual choice in the reward).
+        estimator: one of :data:`lightning_kl.SAMPLED_ESTIMATORS` (``k1`` is the usual choice in the
+            reward); ``full`` is rejected: the callback reads sampled-token log-probs, not logits.
         controller: a :class:`~lightning_kl.KLController`; default ``FixedKLController(0.001)``.
         scores_key, logprobs_key, ref_logprobs_key, mask_key: the batch keys read.
             ``logprobs`` are the behaviour policy's (the policy that sampled the batch).
@@ -69,6 +70,14 @@ class KLRewardCallback(Callback):
     ) -> None:
         super().__init__()
         self.spec = parse_estimator(estimator)
+        if self.spec.base == "full":
+            valid = ", ".join(repr(n) for n in SAMPLED_ESTIMATORS)
+            raise ValueError(
+                "KLRewardCallback cannot use the 'full' estimator: it reads the sampled tokens' log-probs "
+                f"(`{logprobs_key}`, `{ref_logprobs_key}`), while 'full' needs both models' logits over the "
+                "vocabulary. Use 'full' in KLPenaltyLoss, or give the callback a sampled estimator: "
+                f"{valid}."
+            )
         if controller is None:
             controller = FixedKLController()
         if not isinstance(controller, KLController):

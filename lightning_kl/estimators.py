@@ -17,6 +17,10 @@ name (aliases)          value                                       gradient w.r
 
 The gradient with respect to ``ref_logprob`` is the negative of the one with respect to ``logprob``.
 
+One more name, ``full``, is not a sampled-token estimator: it takes both models' logits
+``[..., V]`` and returns the exact KL over the vocabulary (:mod:`lightning_kl.full`). Its gradient is
+exact, so ``full+`` is rejected. :data:`SAMPLED_ESTIMATORS` lists every name but ``full``.
+
 Names are parsed once, by :func:`parse_estimator`, when an object is built; the maths below only ever
 sees a parsed :class:`EstimatorSpec`.
 """
@@ -30,7 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["BASE_ESTIMATORS", "ESTIMATORS", "EstimatorSpec", "parse_estimator"]
+__all__ = ["BASE_ESTIMATORS", "ESTIMATORS", "FULL", "SAMPLED_ESTIMATORS", "EstimatorSpec", "parse_estimator"]
 
 # canonical base name for every accepted spelling (aliases map to the canonical name)
 _ALIASES: dict[str, str] = {
@@ -46,8 +50,15 @@ _ALIASES: dict[str, str] = {
 #: The canonical base estimators, in table order.
 BASE_ESTIMATORS: tuple[str, ...] = ("k1", "abs", "k2", "k3", "low_var_kl")
 
-#: Every accepted estimator name: the bases, their aliases, and each with the ``+`` suffix.
-ESTIMATORS: tuple[str, ...] = tuple(_ALIASES) + tuple(f"{name}+" for name in _ALIASES)
+#: The estimators of sampled tokens (they take ``logprob``, ``ref_logprob``): the bases, their
+#: aliases, and each with the ``+`` suffix.
+SAMPLED_ESTIMATORS: tuple[str, ...] = tuple(_ALIASES) + tuple(f"{name}+" for name in _ALIASES)
+
+#: The exact KL over the whole vocabulary: takes logits ``[..., V]`` (see :mod:`lightning_kl.full`).
+FULL = "full"
+
+#: Every accepted estimator name: the sampled ones and ``full``.
+ESTIMATORS: tuple[str, ...] = SAMPLED_ESTIMATORS + (FULL,)
 
 # -d is clamped to this range before exp() in k3: exp(20) ~ 4.9e8 is far from float32 overflow.
 K3_CLAMP = 20.0
@@ -89,6 +100,14 @@ def parse_estimator(name: Any) -> EstimatorSpec:
     if isinstance(name, EstimatorSpec):
         return name
     if isinstance(name, str):
+        if name == FULL:
+            return EstimatorSpec(name=name, base=FULL, straight_through=False)
+        if name == FULL + "+":
+            raise ValueError(
+                f"Unknown KL estimator {name!r}: 'full' is the exact KL over the vocabulary and its gradient is "
+                "already the exact gradient of the KL, so there is no straight-through '+' variant (the '+' "
+                "suffix gives a sampled estimator the k2 gradient). Use 'full'."
+            )
         straight_through = name.endswith("+")
         base = _ALIASES.get(name[:-1] if straight_through else name)
         if base is not None:

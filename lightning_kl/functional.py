@@ -13,11 +13,13 @@ would otherwise survive as ``nan = inf * 0`` in the result or in the gradient.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
 from torch import Tensor
 
+from lightning_kl import _fused
 from lightning_kl.estimators import EstimatorSpec, estimator_value, parse_estimator
 
 __all__ = ["AGG_MODES", "aggregate", "kl_penalty"]
@@ -81,6 +83,7 @@ def _kl_penalty_compute(
     spec: EstimatorSpec,
     mask: Optional[Tensor],
     old_logprob: Optional[Tensor] = None,
+    max_weight: Optional[float] = None,
 ) -> Tensor:
     """Per-token estimate in the compute dtype (float32 for half inputs); 0 where ``mask`` is False.
 
@@ -89,39 +92,115 @@ def _kl_penalty_compute(
     """
     dtype = compute_dtype(logprob, ref_logprob)
     zero = torch.zeros((), dtype=dtype, device=logprob.device)
-    d = logprob.to(dtype) - ref_logprob.to(dtype)
-    if mask is not None:
-        # select before the maths so that junk at padded positions never reaches the value or
-        # the gradient (where() routes an exact 0 gradient to the unselected inputs)
-        d = torch.where(mask, d, zero)
-    value = estimator_value(spec, d)
+    if _fused.use_fused(spec):
+        # the same maths in one chunked pass each way (set _fused.ENABLED = False for the composition)
+        value = _fused.fused_kl_value(logprob, ref_logprob, spec, mask, dtype)
+    else:
+        d = logprob.to(dtype) - ref_logprob.to(dtype)
+        if mask is not None:
+            # select before the maths so that junk at padded positions never reaches the value or
+            # the gradient (where() routes an exact 0 gradient to the unselected inputs)
+            d = torch.where(mask, d, zero)
+        value = estimator_value(spec, d)
     if old_logprob is None:
         return value
     log_w = logprob.to(dtype) - old_logprob.to(dtype)
     if mask is not None:
         log_w = torch.where(mask, log_w, zero)
-    return importance_weight(log_w, spec) * value
+    return importance_weight(log_w, spec, max_weight) * value
 
 
-def importance_weight(log_w: Tensor, spec: EstimatorSpec) -> Tensor:
+def importance_weight(log_w: Tensor, spec: EstimatorSpec, max_weight: Optional[float] = None) -> Tensor:
     r"""The weight :math:`w = \pi / \pi_{old}` of an off-policy estimate, differentiable or not.
 
-    For tokens sampled from :math:`\pi_{old}`, with :math:`\nabla` taken w.r.t. the policy:
+    For tokens :math:`x` sampled from :math:`\pi_{old}`, with :math:`\nabla` taken w.r.t. the policy
+    (:math:`\pi_{old}` and :math:`\pi_{ref}` fixed) and :math:`k' = dk/dd`:
 
-    * ``k1``, ``k3`` (value estimators): :math:`E_{old}[w\,k] = E_\pi[k] = \mathrm{KL}`, and with
-      :math:`w` differentiable (:math:`\nabla w = w \nabla\log\pi`) the per-sample gradient is
-      :math:`w\nabla\log\pi\,(k + k')`, which is :math:`w\,d\,\nabla\log\pi` for ``k3`` and
-      :math:`w(d+1)\nabla\log\pi` for ``k1``: both have expectation
-      :math:`E_\pi[d\,\nabla\log\pi] = \nabla\mathrm{KL}`. ``abs`` and ``low_var_kl`` follow the
-      same rule (their values are biased to begin with).
+    * ``k1``, ``k3``, ``abs``, ``low_var_kl`` (value estimators): the weight is differentiable.
+      :math:`E_{old}[w\,k] = E_\pi[k]`, and since :math:`\pi_{old}` is fixed the expected gradient
+      is the gradient of that expectation: per sample :math:`\nabla(w k) = w(k + k')\nabla\log\pi`
+      (:math:`\nabla w = w\nabla\log\pi`), which is :math:`w\,d\,\nabla\log\pi` for ``k3`` and
+      :math:`w(d+1)\nabla\log\pi` for ``k1``; both have expectation
+      :math:`E_\pi[d\,\nabla\log\pi] = \nabla\mathrm{KL}` (as :math:`E_\pi[\nabla\log\pi] = 0`).
+      A detached weight would leave :math:`w\,k'\nabla\log\pi`: expectation 0 for ``k1``, the
+      forward-KL gradient for ``k3``. ``abs`` and ``low_var_kl`` get the exact gradient of
+      :math:`E_\pi[|d|]` and :math:`E_\pi[\min(k_3, 10)]`, values that are biased to begin with.
     * ``k2`` and every ``+`` name (gradient estimators): their on-policy gradient
-      :math:`d\,\nabla\log\pi` is already the KL gradient's sample, so the weight is *detached*:
-      gradient :math:`w\,d\,\nabla\log\pi`, value :math:`w` times the base value.
+      :math:`d\,\nabla\log\pi` is already a sample of the KL gradient, so the weight is *detached*:
+      gradient :math:`w\,d\,\nabla\log\pi`, expectation :math:`\nabla\mathrm{KL}`; value :math:`w`
+      times the base value (expectation :math:`E_\pi[k]`). A differentiable weight would add
+      :math:`w\,k\,\nabla\log\pi`, of expectation :math:`E_\pi[k\nabla\log\pi] \ne 0`.
+
+    With ``old_logprob = logprob.detach()`` (on-policy) :math:`w = 1` but :math:`\nabla w =
+    \nabla\log\pi`, so ``k1`` and ``k3`` then give the exact KL gradient in a loss, too.
+
+    **Truncation** (``max_weight`` :math:`= c \ge 1`): the weight's *value* is cut to
+    :math:`\bar w = \min(w, c)` (computed from :math:`\min(\log w, \log c)`, so that a far-drifted
+    token never overflows) while a differentiable weight keeps its gradient,
+    :math:`\nabla\bar w = \bar w\,\nabla\log\pi` (straight-through, like the ``+`` names). A
+    clipped token's whole per-sample gradient is thus scaled by :math:`c / w`: this is truncated
+    importance sampling of the on-policy per-sample gradient :math:`g_\pi` (:math:`(k + k')\nabla\log\pi`
+    for a differentiable weight, :math:`d\,\nabla\log\pi` for a detached one). With
+    :math:`m(x) = \min(\pi(x), c\,\pi_{old}(x))` (the policy's mass, cut at :math:`c` times the
+    sampler's; :math:`\sum_x m \le 1`) and :math:`C = \{x : \pi(x) > c\,\pi_{old}(x)\}` the clipped
+    tokens, for :math:`x \sim \pi_{old}`:
+
+    * value: :math:`E_{old}[\bar w k] = \sum_x m\,k = E_\pi[k] - \sum_{x \in C}(\pi - c\,\pi_{old})\,k`:
+      the mass above the cap is dropped (an underestimate for ``k3``, whose ``k >= 0``).
+    * gradient: :math:`E_{old}[\bar w\,g_\pi] = \sum_x m\,g_\pi = \nabla\mathrm{KL} - \sum_{x \in C}
+      (\pi - c\,\pi_{old})\,g_\pi`, with :math:`g_\pi = d\,\nabla\log\pi` for ``k3``, ``k2`` and every
+      ``+`` name (so ``k3`` and ``k3+`` still have the same gradient, token by token) and
+      :math:`(d + 1)\nabla\log\pi` for ``k1``. The bias is bounded by the dropped mass
+      :math:`\sum_C (\pi - c\,\pi_{old}) \le P_\pi(C)` times :math:`\max_C \|g_\pi\|`, and vanishes
+      with it.
+
+    Why not a plain ``clamp`` of the weight: its gradient would be 0 on :math:`C`, which drops the
+    score term :math:`w\,k\nabla\log\pi` and leaves :math:`c\,k'\nabla\log\pi` (:math:`c\nabla\log\pi`
+    for ``k1``). That is the exact gradient of the truncated value :math:`\sum_x m\,k`, but its
+    bias on :math:`\nabla\mathrm{KL}` does not shrink with the dropped mass: in
+    ``examples/estimator_study.py``, with 1.3% of the mass above :math:`c = 2`, the relative
+    gradient error is 0.87 (``k1``) and 0.29 (``k3``) that way, against 0.03 here.
+
+    :math:`c \ge 1` leaves on-policy tokens (:math:`w = 1`) untouched, and with :math:`c \ge \max w`
+    on the batch the result equals the untruncated one.
+
+    Args:
+        log_w: ``[..., t]`` the log-weights :math:`\log\pi - \log\pi_{old}`.
+        spec: the parsed estimator, which decides whether the weight is detached.
+        max_weight: ``None`` (no truncation) or the cap :math:`c`, checked by :func:`check_max_weight`.
+
+    Example:
+        >>> log_w = torch.tensor([-1.0, 0.0, 3.0], requires_grad=True)
+        >>> w = importance_weight(log_w, parse_estimator("k3"), max_weight=2.0)
+        >>> w
+        tensor([0.3679, 1.0000, 2.0000], grad_fn=<ExpBackward0>)
+        >>> w.sum().backward(); log_w.grad  # d w / d log w = w: the clipped value, its gradient kept
+        tensor([0.3679, 1.0000, 2.0000])
     """
+    if max_weight is not None:
+        # the value of min(log w, log c) with the gradient of log w (log w - log w.detach() is an exact 0)
+        log_w = log_w.detach().clamp(max=math.log(max_weight)) + (log_w - log_w.detach())
     w = torch.exp(log_w)
     if spec.straight_through or spec.base == "k2":
         return w.detach()
     return w
+
+
+def check_max_weight(max_weight: object) -> Optional[float]:
+    """Validate the importance weight cap: ``None``, or a finite real number ``>= 1``.
+
+    Raises:
+        ValueError: naming the bad value and the valid ones.
+    """
+    if max_weight is None:
+        return None
+    valid = isinstance(max_weight, (int, float)) and not isinstance(max_weight, bool)
+    if not valid or not math.isfinite(max_weight) or max_weight < 1:
+        raise ValueError(
+            "`max_weight` must be None (no truncation) or a finite number >= 1 (a cap below 1 would "
+            f"scale down on-policy tokens too, whose weight is 1), got {max_weight!r}."
+        )
+    return float(max_weight)
 
 
 def _check_pair(logprob: object, ref_logprob: object) -> None:
@@ -157,6 +236,8 @@ def kl_penalty(
     *,
     mask: Optional[Tensor] = None,
     old_logprob: Optional[Tensor] = None,
+    max_weight: Optional[float] = None,
+    temperature: float = 1.0,
 ) -> Tensor:
     r"""Per-token estimate of :math:`\mathrm{KL}(\pi \,\|\, \pi_{\mathrm{ref}})` for sampled tokens.
 
@@ -167,6 +248,12 @@ def kl_penalty(
 
     See :mod:`lightning_kl.estimators` for the full table of values and gradients.
 
+    With ``estimator="full"`` the inputs are both models' *logits* ``[..., V]`` instead, ``mask`` is
+    ``[...]``, and the result ``[...]`` is the exact KL of ``softmax(logits / temperature)`` to
+    ``softmax(ref_logits / temperature)`` over the vocabulary, with its exact gradient, computed
+    by chunks in bounded memory (:mod:`lightning_kl.full`). ``old_logprob`` is rejected there: the
+    exact KL needs no importance weights.
+
     Args:
         logprob: ``[..., t]`` log-probabilities of the sampled tokens under the policy.
         ref_logprob: ``[..., t]`` log-probabilities of the same tokens under the reference.
@@ -175,16 +262,24 @@ def kl_penalty(
             a zero gradient, whatever the inputs hold there (NaN, inf, -1e10 padding).
         old_logprob: optional ``[..., t]`` log-probabilities of the sampled tokens under the policy
             that sampled them (several PPO epochs per rollout, an inference engine). The estimate is
-            then importance weighted by ``pi / pi_old`` so that its expected value (``k1``, ``k3``) and
+            then importance weighted by ``pi / pi_old`` so that its expected value (``k1``, ``k3``,
+            ``k1+``, ``k3+``) and
             its expected gradient (``k1``, ``k3``, ``k2`` and every ``+`` name) are those of
             ``KL(pi || pi_ref)``; see :func:`importance_weight`.
+        max_weight: optional cap ``c >= 1`` of the importance weights (truncated importance sampling,
+            ``w -> min(w, c)``): bounds the variance at the price of a bias, documented exactly in
+            :func:`importance_weight`. Ignored without ``old_logprob``.
+        temperature: ``full`` only: the policy's sampling temperature ``T > 0`` in
+            ``softmax(logits / T)``. Sampled estimators take log-probs already computed at the
+            sampling temperature, so any other value than 1 is an error for them.
 
     Returns:
         The per-token estimate, same shape as the inputs, in their (promoted) dtype. Half precision
         inputs are computed in float32 and the result is cast back.
 
     Raises:
-        ValueError: for an unknown estimator name, or shapes that do not match (both are named).
+        ValueError: for an unknown estimator name, a bad ``max_weight``, or shapes that do not
+            match (both are named).
         TypeError: for inputs that are not floating point tensors.
 
     Example:
@@ -193,16 +288,35 @@ def kl_penalty(
         >>> ref = torch.tensor([-1.5, -1.0])
         >>> kl = kl_penalty(logprob, ref, "k3+")
         >>> kl
-        tensor([0.1065, 0.7183], grad_fn=<AddBackward0>)
+        tensor([0.1065, 0.7183], grad_fn=<FusedKLPenaltyBackward>)
         >>> kl.sum().backward(); logprob.grad  # the k2 gradient: d
         tensor([ 0.5000, -1.0000])
     """
     spec = parse_estimator(estimator)
+    max_weight = check_max_weight(max_weight)
+    if spec.base == "full":
+        # imported here: lightning_kl.full builds on this module's helpers
+        from lightning_kl.full import check_full_inputs, full_kl_compute, reject_old_logprob
+
+        reject_old_logprob(old_logprob)
+        mask = check_full_inputs(logprob, ref_logprob, mask)
+        out_dtype = torch.promote_types(logprob.dtype, ref_logprob.dtype)
+        return full_kl_compute(logprob, ref_logprob, mask, temperature).to(out_dtype)
+    _reject_temperature(temperature, spec)
     _check_pair(logprob, ref_logprob)
     check_old_logprob(old_logprob, logprob)
     mask = check_mask(mask, logprob, "logprob")
     out_dtype = torch.promote_types(logprob.dtype, ref_logprob.dtype)
-    return _kl_penalty_compute(logprob, ref_logprob, spec, mask, old_logprob).to(out_dtype)
+    return _kl_penalty_compute(logprob, ref_logprob, spec, mask, old_logprob, max_weight).to(out_dtype)
+
+
+def _reject_temperature(temperature: object, spec: EstimatorSpec) -> None:
+    """Sampled estimators take log-probs at the sampling temperature already: only T = 1 fits."""
+    if temperature != 1.0 or isinstance(temperature, bool):
+        raise ValueError(
+            f"`temperature` applies to the 'full' estimator (logits) only, got {temperature!r} with "
+            f"{spec.name!r}: compute the sampled tokens' log-probs at the sampling temperature instead."
+        )
 
 
 def aggregate(
@@ -211,18 +325,22 @@ def aggregate(
     mode: str = "token-mean",
     *,
     norm: Optional[float] = None,
+    num_tokens: Optional[Tensor | float] = None,
+    num_seqs: Optional[Tensor | float] = None,
+    world_size: int = 1,
 ) -> Tensor:
     r"""Reduce per-token values ``[..., t]`` to a scalar, over the positions where ``mask`` is True.
 
     With :math:`m` the mask, :math:`S_i = \sum_t m_{it} v_{it}` a sequence's token sum, :math:`n_i`
-    its valid-token count, and :math:`B` the number of sequences with at least one valid token:
+    its valid-token count, :math:`N = \sum_i n_i` (or ``num_tokens``), :math:`B` the number of
+    sequences with at least one valid token (or ``num_seqs``) and :math:`W` = ``world_size``:
 
     ================================  =====================================================
-    ``token-mean``                    :math:`\sum_i S_i / \sum_i n_i`
-    ``token-sum``                     :math:`\sum_i S_i`
-    ``seq-mean-token-sum``            :math:`\frac{1}{B}\sum_i S_i`
-    ``seq-mean-token-mean``           :math:`\frac{1}{B}\sum_{i: n_i > 0} S_i / n_i`
-    ``seq-mean-token-sum-norm``       :math:`\sum_i S_i / T` (Dr. GRPO, as in verl), with
+    ``token-mean``                    :math:`W \sum_i S_i / N`
+    ``token-sum``                     :math:`W \sum_i S_i`
+    ``seq-mean-token-sum``            :math:`\frac{W}{B}\sum_i S_i`
+    ``seq-mean-token-mean``           :math:`\frac{W}{B}\sum_{i: n_i > 0} S_i / n_i`
+    ``seq-mean-token-sum-norm``       :math:`W \sum_i S_i / T` (Dr. GRPO, as in verl), with
                                       :math:`T` = ``norm`` or the padded length ``t``
     ================================  =====================================================
 
@@ -230,21 +348,40 @@ def aggregate(
     (and its gradient is zero). Positions where the mask is False never reach the result or the
     gradient, even if they hold NaN or inf.
 
+    ``num_tokens``, ``num_seqs`` and ``world_size`` exist for data parallel training (as verl's
+    ``agg_loss`` with the global token count and ``dp_size``): DDP *averages* the gradients of
+    the ``W`` processes, so a process that divides by the global counts and multiplies by ``W``
+    gets, after averaging, exactly the gradient of one process over the global batch, whatever
+    each process holds. This function does no communication: the caller reduces the counts
+    (:class:`~lightning_kl.KLPenaltyLoss` does it with ``global_batch=True``).
+
     Args:
         values: ``[..., t]`` per-token values (at least one dimension).
         mask: optional ``[..., t]`` mask (bool, or 0/1 numbers read as ``mask != 0``).
         mode: one of :data:`AGG_MODES`.
         norm: the constant divisor of ``seq-mean-token-sum-norm`` (default: ``t``); keep it fixed
             across a run (e.g. the maximum response length) to reproduce Dr. GRPO.
+        num_tokens: the divisor of ``token-mean`` in place of this batch's valid-token count,
+            e.g. the count summed over every process (a number or a 0-d tensor; at least 1 is used).
+        num_seqs: the divisor of the ``seq-mean-*`` modes in place of this batch's count of
+            sequences with a valid token, e.g. summed over every process.
+        world_size: a positive integer multiplying the result: the number of processes whose
+            gradients are averaged.
 
     Returns:
         A scalar in the values' dtype promoted to at least float32.
+
+    Raises:
+        ValueError: for an unknown mode, a scalar ``values``, a mask that does not fit (both shapes
+            are named), or a bad ``norm``, ``num_tokens``, ``num_seqs`` or ``world_size``.
 
     Example:
         >>> v = torch.tensor([[1.0, 2.0, 3.0], [4.0, float("nan"), 0.0]])
         >>> m = torch.tensor([[True, True, True], [True, False, False]])
         >>> aggregate(v, m, "token-mean"), aggregate(v, m, "seq-mean-token-mean")
         (tensor(2.5000), tensor(3.))
+        >>> aggregate(v, m, "token-mean", num_tokens=8, world_size=2)  # 2 * 10 / 8
+        tensor(2.5000)
     """
     mode = check_agg_mode(mode)
     _check_floating("values", values)
@@ -253,18 +390,23 @@ def aggregate(
     mask = check_mask(mask, values, "values")
     if norm is not None and not norm > 0:
         raise ValueError(f"`norm` must be a positive number, got {norm!r}.")
+    _check_count("num_tokens", num_tokens)
+    _check_count("num_seqs", num_seqs)
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"`world_size` must be a positive integer, got {world_size!r}.")
     dtype = compute_dtype(values)
     v = values.to(dtype)
     zero = torch.zeros((), dtype=dtype, device=v.device)
     if mask is not None:
         v = torch.where(mask, v, zero)
     if mode == "token-sum":
-        return v.sum()
+        return _times(v.sum(), world_size)
     if mode == "token-mean":
-        n = v.numel() if mask is None else mask.sum()
-        return v.sum() / _at_least_one(n, dtype, v.device)
+        if num_tokens is None:
+            num_tokens = v.numel() if mask is None else mask.sum()
+        return _times(v.sum() / _at_least_one(num_tokens, dtype, v.device), world_size)
     if mode == "seq-mean-token-sum-norm":
-        return v.sum() / (values.shape[-1] if norm is None else norm)
+        return _times(v.sum() / (values.shape[-1] if norm is None else norm), world_size)
 
     t = values.shape[-1]
     if v.numel() == 0:
@@ -274,12 +416,47 @@ def aggregate(
         counts = torch.full_like(seq_sums, t)
     else:
         counts = mask.reshape(-1, t).sum(-1).to(dtype)
-    n_seqs = _at_least_one((counts > 0).sum(), dtype, v.device)
+    if num_seqs is None:
+        num_seqs = (counts > 0).sum()
+    n_seqs = _at_least_one(num_seqs, dtype, v.device)
     if mode == "seq-mean-token-sum":
-        return seq_sums.sum() / n_seqs
+        return _times(seq_sums.sum() / n_seqs, world_size)
     # seq-mean-token-mean: empty sequences contribute 0 to the sum and nothing to the count
-    return (seq_sums / counts.clamp(min=1)).sum() / n_seqs
+    return _times((seq_sums / counts.clamp(min=1)).sum() / n_seqs, world_size)
+
+
+def aggregate_counts(values: Tensor, mask: Optional[Tensor] = None) -> Tensor:
+    """This batch's ``[valid tokens, sequences with a valid token]``: a detached int64 ``[2]`` tensor.
+
+    The local counts that :func:`aggregate` divides by; sum them over processes (one
+    ``all_reduce``) and pass them back as ``num_tokens`` and ``num_seqs``.
+    """
+    _check_floating("values", values)
+    if values.ndim == 0:
+        raise ValueError("`values` must have at least one (token) dimension, got a scalar.")
+    mask = check_mask(mask, values, "values")
+    if mask is None:
+        n_seqs = math.prod(values.shape[:-1]) if values.shape[-1] else 0
+        return torch.tensor([values.numel(), n_seqs], dtype=torch.int64, device=values.device)
+    m = mask.detach()
+    return torch.stack([m.sum(), m.any(-1).sum()]).to(torch.int64)
+
+
+def _check_count(name: str, n: object) -> None:
+    if n is None:
+        return
+    if isinstance(n, Tensor):
+        if n.numel() != 1 or n.is_complex():
+            raise ValueError(f"`{name}` must be a number or a one-element tensor, got shape {tuple(n.shape)}.")
+        return  # its value is not read here: that would synchronize with the device
+    if isinstance(n, bool) or not isinstance(n, (int, float)) or not n >= 0 or n == float("inf"):
+        raise ValueError(f"`{name}` must be a finite number >= 0 or a tensor, got {n!r}.")
+
+
+def _times(x: Tensor, world_size: int) -> Tensor:
+    # multiply only when needed: one process keeps the plain graph
+    return x if world_size == 1 else x * world_size
 
 
 def _at_least_one(n: Tensor | int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    return torch.as_tensor(n, dtype=dtype, device=device).clamp(min=1)
+    return torch.as_tensor(n, dtype=dtype, device=device).reshape(()).clamp(min=1)

@@ -3,8 +3,10 @@ r"""``KLPenaltyLoss``: the KL term of an RL loss, as an ``nn.Module``."""
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Any, Optional
 
+import torch
+import torch.distributed
 from torch import Tensor, nn
 
 from lightning_kl.estimators import parse_estimator
@@ -12,10 +14,13 @@ from lightning_kl.functional import (
     _check_pair,
     _kl_penalty_compute,
     aggregate,
+    aggregate_counts,
     check_agg_mode,
     check_mask,
+    check_max_weight,
     check_old_logprob,
 )
+from lightning_kl.full import check_full_inputs, check_temperature, full_kl_compute, reject_old_logprob
 from lightning_kl.metric import KLMetric
 
 __all__ = ["KLPenaltyLoss"]
@@ -39,13 +44,42 @@ class KLPenaltyLoss(nn.Module):
         coef: the loss coefficient (``>= 0``).
         agg: one of :data:`lightning_kl.AGG_MODES`.
         agg_norm: the constant divisor of ``seq-mean-token-sum-norm`` (default: the padded length).
+        global_batch: normalize as one process over the global batch of every data parallel
+            process. When ``torch.distributed`` is initialized, forward sums the (detached) counts
+            of valid tokens and of non-empty sequences over the default process group (one
+            ``all_reduce`` of two integers), divides by those and multiplies by the world size
+            ``W``, so that DDP's gradient *averaging* yields exactly the global batch's gradient in
+            every ``agg`` mode; each process's loss is then ``W`` times its share, and their mean
+            over processes is the global batch's loss. Every process must then call forward the
+            same number of times. Outside distributed training it changes nothing. Without it (the
+            default), under DDP: ``token-mean`` is exact only when every process holds the same
+            number of valid tokens, ``seq-mean-token-sum`` and ``seq-mean-token-mean`` only when
+            every process holds the same number of non-empty sequences, and ``token-sum`` and
+            ``seq-mean-token-sum-norm`` give ``1 / W`` of the global gradient.
+        max_weight: ``None``, or the cap ``c >= 1`` of the importance weights when forward gets
+            ``old_logprob`` (truncated importance sampling, ``w -> min(w, c)``): less variance
+            for a bias that :func:`~lightning_kl.functional.importance_weight` states exactly.
+        temperature: ``estimator="full"`` only: the policy's sampling temperature ``T > 0``; the
+            KL is that of ``softmax(logits / T)`` to ``softmax(ref_logits / T)``. Any value but 1
+            with a sampled estimator is an error (their log-probs carry the temperature already).
+
+    With ``estimator="full"``, ``forward(logits, ref_logits, mask)`` takes both models' logits
+    ``[b, t, V]`` and a ``[b, t]`` mask, and aggregates the exact per-token KL over the vocabulary
+    (:mod:`lightning_kl.full`, chunked: no ``[b, t, V]`` temporaries) exactly as above; the metric
+    gets those values. ``old_logprob`` is an error there: the exact KL needs no importance weights.
 
     Shapes in ``forward``: ``logprob``, ``ref_logprob`` and ``mask`` are ``[b, t]`` (any shape,
     the same for all three). Half precision inputs are computed and reduced in float32; the loss is
     float32 and the gradients come back in the inputs' dtype.
 
+    Junk at masked positions (NaN, inf, ``-1e10`` padding) never reaches the loss or the
+    gradients. A NaN at a *valid* position is never dropped: the loss is NaN, and so is the
+    gradient at every other valid position, whatever the estimator (even ``k1``, whose gradient
+    ignores the value, and ``k3``, whose clamp gives the NaN's own position a zero gradient), so
+    that ``Trainer(detect_anomaly=True)`` stops at it.
+
     Raises:
-        ValueError: at construction, for an unknown estimator or mode or a bad ``coef``; in forward,
+        ValueError: at construction, for an unknown estimator or mode or a bad ``coef`` or ``max_weight``; in forward,
             for shapes that do not match (both are named).
 
     Example:
@@ -67,6 +101,9 @@ class KLPenaltyLoss(nn.Module):
         coef: float = 0.001,
         agg: str = "token-mean",
         agg_norm: Optional[float] = None,
+        global_batch: bool = False,
+        max_weight: Optional[float] = None,
+        temperature: float = 1.0,
     ) -> None:
         super().__init__()
         self.spec = parse_estimator(estimator)
@@ -77,6 +114,16 @@ class KLPenaltyLoss(nn.Module):
             raise ValueError(f"`agg_norm` must be a positive number or None, got {agg_norm!r}.")
         self.coef = float(coef)
         self.agg_norm = agg_norm
+        if not isinstance(global_batch, bool):
+            raise ValueError(f"`global_batch` must be True or False, got {global_batch!r}.")
+        self.global_batch = global_batch
+        self.max_weight = check_max_weight(max_weight)
+        self.temperature = check_temperature(temperature)
+        if self.spec.base != "full" and self.temperature != 1.0:
+            raise ValueError(
+                f"`temperature` applies to the 'full' estimator (logits) only, got {temperature!r} with "
+                f"{self.spec.name!r}: compute the sampled tokens' log-probs at the sampling temperature instead."
+            )
         self.metric = KLMetric()
 
     @property
@@ -91,13 +138,40 @@ class KLPenaltyLoss(nn.Module):
         mask: Optional[Tensor] = None,
         old_logprob: Optional[Tensor] = None,
     ) -> Tensor:
-        """The scalar KL loss; ``old_logprob`` (the sampling policy's) importance weights it."""
-        _check_pair(logprob, ref_logprob)
-        check_old_logprob(old_logprob, logprob)
-        mask = check_mask(mask, logprob, "logprob")
-        kl = _kl_penalty_compute(logprob, ref_logprob, self.spec, mask, old_logprob)
+        """The scalar KL loss; ``old_logprob`` (the sampling policy's) importance weights it.
+
+        For ``full``, ``logprob`` and ``ref_logprob`` are the logits ``[..., V]``, ``mask`` is ``[...]``.
+        """
+        if self.spec.base == "full":
+            reject_old_logprob(old_logprob)
+            mask = check_full_inputs(logprob, ref_logprob, mask)
+            kl = full_kl_compute(logprob, ref_logprob, mask, self.temperature)
+        else:
+            _check_pair(logprob, ref_logprob)
+            check_old_logprob(old_logprob, logprob)
+            mask = check_mask(mask, logprob, "logprob")
+            kl = _kl_penalty_compute(logprob, ref_logprob, self.spec, mask, old_logprob, self.max_weight)
         self.metric(kl.detach(), mask)
-        return self.coef * aggregate(kl, mask, self.agg, norm=self.agg_norm)
+        return self.coef * self._aggregate(kl, mask)
+
+    def _aggregate(self, kl: Tensor, mask: Optional[Tensor]) -> Tensor:
+        counts: dict[str, Any] = {}
+        if self.global_batch and torch.distributed.is_available() and torch.distributed.is_initialized():
+            counts["world_size"] = torch.distributed.get_world_size()
+            if self.agg in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"):
+                local = aggregate_counts(kl, mask)
+                torch.distributed.all_reduce(local, op=torch.distributed.ReduceOp.SUM)
+                counts["num_tokens"], counts["num_seqs"] = local[0], local[1]
+        agg = aggregate(kl, mask, self.agg, norm=self.agg_norm, **counts)
+        # times exactly 1 when the loss is finite, NaN when not: a NaN at a valid position then
+        # also turns every gradient to NaN, where anomaly detection sees it, even for estimators
+        # whose gradient ignores the value (k1's is 1 everywhere)
+        return agg * (1 + 0 * agg.detach())
 
     def extra_repr(self) -> str:
-        return f"estimator={self.spec.name!r}, coef={self.coef}, agg={self.agg!r}"
+        extra = ", global_batch=True" if self.global_batch else ""
+        if self.max_weight is not None:
+            extra += f", max_weight={self.max_weight}"
+        if self.temperature != 1.0:
+            extra += f", temperature={self.temperature}"
+        return f"estimator={self.spec.name!r}, coef={self.coef}, agg={self.agg!r}{extra}"

@@ -1,0 +1,367 @@
+r"""Fused kernels for every estimator and its ``+`` variant: the physical floor on memory traffic.
+
+The plain composition in :func:`lightning_kl.estimators.estimator_value` (cast, subtract, mask,
+clamp, exp, add, then ``k2 - k2.detach() + value.detach()``) makes about a dozen passes over memory
+and keeps several full-size temporaries alive until backward. Here one
+:class:`torch.autograd.Function` per call
+
+* walks the inputs in cache-sized chunks (:data:`CHUNK` elements on CPU), does every step of a chunk
+  in place in small scratch buffers that stay in cache, and writes the value once; on CPU the chunks
+  are dealt to ``torch.get_num_threads()`` threads (see :func:`_run` for why not torch's own);
+* saves only ``logprob``, ``ref_logprob`` and the mask (tensors the caller holds anyway), and in
+  backward recomputes what the gradient needs chunk by chunk, reading the incoming gradient once and
+  writing ``grad_logprob`` (and ``grad_ref = -grad_logprob``, only when ``ref_logprob`` requires a
+  gradient) once, each in its input's dtype;
+* is skipped altogether when no input requires a gradient (the callback's ``no_grad`` path): the
+  chunked forward runs with no autograd bookkeeping.
+
+Semantics are those of the composition, term for term (DESIGN.md's table): ``k3`` is the k3 of ``d``
+clamped to ``[-20, 20]`` with a zero gradient outside, ``low_var_kl`` clamps that to ``[-10, 10]``
+with a zero gradient where clamped (both ends inclusive, as :func:`torch.clamp`'s gradient), ``abs``
+has gradient ``sign(d)`` (0 at 0), ``NAME+`` has the value of ``NAME`` and gradient ``d``; where the
+mask is False the value is 0 and both gradients are exactly 0 whatever the inputs hold (NaN, inf).
+Forward values are bitwise those of the composition (same operations in the same order).
+
+Half precision inputs are read chunk by chunk into float32 scratch, so nothing full-size is ever
+cast. Non-contiguous inputs (and a broadcast incoming gradient, as ``out.sum().backward()`` gives)
+are walked by views along their logical shape, never copied. Shapes must already be equal (no
+broadcasting; the callers check).
+
+Double backward (``create_graph=True``) works but is not fused: the backward then recomputes the
+composition's graph from the saved inputs and differentiates it, so the gradient is itself
+differentiable. Under ``torch.compile`` the composition is used instead (the compiler fuses it
+itself; a Python chunk loop would be unrolled into the graph).
+
+Why no compiled kernel: ``torch.compile`` of the composition reaches the same floor on CPU, but costs
+tens of seconds of compilation per estimator, shape family and dtype on a 2-core machine (and needs a
+C++ toolchain at run time); the chunked eager kernels below need neither. See
+``benchmarks/bench_estimators.py``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from lightning_kl.estimators import K3_CLAMP, LOW_VAR_KL_CLAMP, EstimatorSpec, estimator_value
+
+__all__ = ["CHUNK", "ENABLED", "FUSED_BASES", "fused_kl_value", "use_fused"]
+
+#: Elements per chunk on CPU: torch's grain (32768), the largest block an elementwise op runs
+#: inline on its calling thread without opening an OpenMP region; its few float32 scratch buffers
+#: (128 KiB each) stay in a core's L2 cache. Other devices take the whole tensor as one chunk (one
+#: kernel launch per step: the in-place work and the saved-nothing backward still apply).
+CHUNK = 1 << 15
+
+#: Set to False to route :func:`lightning_kl.functional._kl_penalty_compute` through the plain
+#: composition (the benchmark and the tests compare both).
+ENABLED = True
+
+#: The base estimators with a fused kernel (every sampled-token estimator).
+FUSED_BASES: frozenset[str] = frozenset(("k1", "abs", "k2", "k3", "low_var_kl"))
+
+
+def use_fused(spec: EstimatorSpec) -> bool:
+    """Whether :func:`fused_kl_value` serves ``spec`` here (else the caller composes the maths)."""
+    return ENABLED and spec.base in FUSED_BASES and not torch.compiler.is_compiling()
+
+
+def fused_kl_value(
+    logprob: Tensor,
+    ref_logprob: Tensor,
+    spec: EstimatorSpec,
+    mask: Optional[Tensor],
+    dtype: torch.dtype,
+    chunk: Optional[int] = None,
+) -> Tensor:
+    """``estimator_value(spec, where(mask, logprob - ref_logprob, 0))`` in ``dtype``, fused.
+
+    Args:
+        logprob, ref_logprob: ``[...]`` floating tensors of the same shape and device (any dtypes,
+            any strides).
+        spec: the parsed estimator.
+        mask: ``None`` or a bool tensor of the same shape, True on valid tokens.
+        dtype: the compute dtype (the result's), at least float32.
+        chunk: elements per chunk (default: :data:`CHUNK` on CPU, the whole tensor elsewhere).
+
+    Returns:
+        A new contiguous tensor of the inputs' shape in ``dtype``, differentiable w.r.t. whichever
+        input requires a gradient (once: no double backward).
+    """
+    if chunk is None:
+        chunk = CHUNK if logprob.device.type == "cpu" else max(1, logprob.numel())
+    if torch.is_grad_enabled() and (logprob.requires_grad or ref_logprob.requires_grad):
+        return FusedKLPenalty.apply(logprob, ref_logprob, mask, spec, dtype, chunk)
+    return _forward(logprob, ref_logprob, mask, spec.base, dtype, chunk)
+
+
+class FusedKLPenalty(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx,
+        logprob: Tensor,
+        ref_logprob: Tensor,
+        mask: Optional[Tensor],
+        spec: EstimatorSpec,
+        dtype: torch.dtype,
+        chunk: int,
+    ) -> Tensor:
+        # the inputs themselves, not d: no full-size temporary outlives the forward
+        ctx.save_for_backward(logprob, ref_logprob, mask)
+        ctx.spec, ctx.dtype, ctx.chunk = spec, dtype, chunk
+        return _forward(logprob, ref_logprob, mask, spec.base, dtype, chunk)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):  # type: ignore[override]
+        logprob, ref_logprob, mask = ctx.saved_tensors
+        need = ctx.needs_input_grad[:2]
+        if torch.is_grad_enabled():
+            # create_graph=True: the gradient must itself be differentiable, so take it through the
+            # composition's graph (the slow path, used only for double backward)
+            grads = _composed_backward(grad, logprob, ref_logprob, mask, ctx.spec, ctx.dtype, need)
+        else:
+            grads = _backward(
+                grad, logprob, ref_logprob, mask, ctx.spec.base, ctx.spec.straight_through, ctx.dtype, ctx.chunk, *need
+            )
+        return grads[0], grads[1], None, None, None, None
+
+
+def _composed_backward(
+    grad: Tensor,
+    logprob: Tensor,
+    ref_logprob: Tensor,
+    mask: Optional[Tensor],
+    spec: EstimatorSpec,
+    dtype: torch.dtype,
+    need: tuple[bool, bool],
+) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    d = logprob.to(dtype) - ref_logprob.to(dtype)
+    if mask is not None:
+        d = torch.where(mask, d, torch.zeros((), dtype=dtype, device=d.device))
+    value = estimator_value(spec, d)
+    inputs = [t for t, n in zip((logprob, ref_logprob), need) if n]
+    found = iter(torch.autograd.grad(value, inputs, grad, create_graph=True, allow_unused=True))
+    return tuple(next(found) if n else None for n in need)  # type: ignore[return-value]
+
+
+# ---------------------------------------------------------------------------------------------
+# chunking
+
+
+def _chunk_index(shape: tuple[int, ...], chunk: int) -> list[tuple]:
+    """Index tuples that cut a tensor of ``shape`` into row-major blocks of at most ~``chunk`` elements.
+
+    The blocks depend on the shape alone, so every tensor of that shape is cut the same way,
+    whatever its strides. Cuts go along the outermost dimension whose inner block fits the chunk.
+    """
+    if any(s == 0 for s in shape):
+        return []
+    k, inner = len(shape) - 1, 1
+    while k > 0 and inner * shape[k] <= chunk:
+        inner *= shape[k]
+        k -= 1
+    step = max(1, chunk // inner)
+    return [
+        outer + (slice(j, j + step),)
+        for outer in itertools.product(*(range(s) for s in shape[:k]))
+        for j in range(0, shape[k], step)
+    ]
+
+
+def _chunks(chunk: int, *tensors: Optional[Tensor]) -> list[tuple[Optional[Tensor], ...]]:
+    """Aligned chunk views of same-shaped tensors (``None`` stays ``None``), without copies."""
+    present = [t for t in tensors if t is not None]
+    if all(t.is_contiguous() for t in present):
+        flat = [None if t is None else t.view(-1) for t in tensors]  # a 0-d tensor becomes [1]
+        n = present[0].numel()
+        return [tuple(None if t is None else t[i : i + chunk] for t in flat) for i in range(0, n, chunk)]
+    index = _chunk_index(tuple(present[0].shape), chunk)
+    return [tuple(None if t is None else t[i] for t in tensors) for i in index]
+
+
+def _scratch(buf: Tensor, like: Tensor) -> Tensor:
+    """A view of the first ``like.numel()`` elements of a flat scratch buffer, shaped like ``like``."""
+    return buf[: like.numel()].view(like.shape)
+
+
+def _d_into(out: Tensor, logprob: Tensor, ref_logprob: Tensor) -> None:
+    """``out = logprob - ref_logprob`` computed in ``out``'s dtype (never in a half dtype)."""
+    if torch.promote_types(logprob.dtype, ref_logprob.dtype) == out.dtype:
+        torch.sub(logprob, ref_logprob, out=out)
+    else:
+        # torch.sub(out=float32) of two half tensors would subtract in the half dtype
+        out.copy_(logprob)
+        out.sub_(ref_logprob)
+
+
+# ---------------------------------------------------------------------------------------------
+# the chunk loop, spread over threads
+
+
+def _run(chunks: list, work: Callable[[tuple, list[Tensor]], None], n_scratch: int, like: Tensor, dtype: torch.dtype) -> None:
+    """``work(chunk, scratch)`` for every chunk; on CPU, chunks are dealt to several threads.
+
+    On CPU each chunk is small enough (<= 32768 elements: torch's grain) that every op on it runs
+    inline on the calling thread, and the parallelism comes from running chunks on
+    ``torch.get_num_threads()`` Python threads at once (torch releases the GIL inside each op). One
+    barrier per call instead of one per op: a thread descheduled by another process holds up
+    nothing but its own share, where an OpenMP region per op would wait for it every time.
+    """
+    size = max(c[0].numel() for c in chunks[:1]) if chunks else 0
+    n_workers = min(_n_threads(like), len(chunks))
+
+    def scratch() -> list[Tensor]:
+        return [torch.empty(size, dtype=dtype, device=like.device) for _ in range(n_scratch)]
+
+    def worker(i: int) -> None:
+        with torch.no_grad():  # grad mode is per thread; the chunk ops write into out= views
+            buffers = scratch()
+            for c in chunks[i::n_workers]:
+                work(c, buffers)
+
+    if n_workers <= 1:
+        worker(0)
+        return
+    futures = [_pool().submit(worker, i) for i in range(1, n_workers)]
+    try:
+        worker(0)  # the calling thread takes a share too
+    finally:
+        for f in futures:
+            f.result()  # wait for every share; re-raises a worker's exception here
+
+
+def _n_threads(like: Tensor) -> int:
+    return torch.get_num_threads() if like.device.type == "cpu" else 1
+
+
+_POOL: Optional[ThreadPoolExecutor] = None
+_POOL_LOCK = threading.Lock()
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1), thread_name_prefix="lightning_kl")
+        return _POOL
+
+
+def _forget_pool() -> None:
+    # a forked child (a DataLoader worker) inherits the pool object but not its threads
+    global _POOL
+    _POOL = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
+
+
+# ---------------------------------------------------------------------------------------------
+# forward: the value
+
+
+def _forward(
+    logprob: Tensor, ref_logprob: Tensor, mask: Optional[Tensor], base: str, dtype: torch.dtype, chunk: int
+) -> Tensor:
+    out = torch.empty(logprob.shape, dtype=dtype, device=logprob.device)
+    if out.numel() == 0:
+        return out
+    zero = torch.zeros((), dtype=dtype, device=out.device)
+    k3 = base in ("k3", "low_var_kl")
+
+    def work(c: tuple, scratch: list[Tensor]) -> None:
+        o, lp, ref, m = c
+        _d_into(o, lp, ref)
+        if m is not None:
+            torch.where(m, o, zero, out=o)
+        if base == "abs":
+            o.abs_()
+        elif base == "k2":
+            o.square_().mul_(0.5)
+        elif k3:
+            # the composition's k3 = expm1(-c) + c of c = clamp(d), step for step
+            t = _scratch(scratch[0], o)
+            o.clamp_(-K3_CLAMP, K3_CLAMP)
+            torch.neg(o, out=t)
+            t.expm1_()
+            o.add_(t)
+            if base == "low_var_kl":
+                o.clamp_(-LOW_VAR_KL_CLAMP, LOW_VAR_KL_CLAMP)
+
+    _run(_chunks(chunk, out, logprob, ref_logprob, mask), work, 1 if k3 else 0, out, dtype)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# backward: the gradient, recomputed chunk by chunk
+
+
+def _backward(
+    grad: Tensor,
+    logprob: Tensor,
+    ref_logprob: Tensor,
+    mask: Optional[Tensor],
+    base: str,
+    straight_through: bool,
+    dtype: torch.dtype,
+    chunk: int,
+    need_logprob: bool,
+    need_ref: bool,
+) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    device = logprob.device
+    grad_logprob = torch.empty(logprob.shape, dtype=logprob.dtype, device=device) if need_logprob else None
+    grad_ref = torch.empty(ref_logprob.shape, dtype=ref_logprob.dtype, device=device) if need_ref else None
+    if logprob.numel() == 0 or not (need_logprob or need_ref):
+        return grad_logprob, grad_ref
+    zero = torch.zeros((), dtype=dtype, device=device)
+    # the gradient w.r.t. logprob is computed straight into grad_logprob when that is the only
+    # output and already in the compute dtype; otherwise in a float scratch chunk, then written out
+    direct = grad_logprob is not None and grad_ref is None and grad_logprob.dtype == dtype
+    kind = "d" if straight_through or base == "k2" else base
+
+    def work(chunk_views: tuple, scratch: list[Tensor]) -> None:
+        g, lp, ref, m, glp, gref = chunk_views
+        w = glp if direct else _scratch(scratch[-1], lp)
+        keep = m  # where the gradient may be nonzero
+        if kind == "d":  # k2 and every '+': d * g
+            _d_into(w, lp, ref)
+            w.mul_(g)
+        elif kind == "k1":
+            w.copy_(g)
+        elif kind == "abs":
+            _d_into(w, lp, ref)
+            w.sign_()
+            w.mul_(g)
+        else:  # k3 / low_var_kl: (1 - exp(-c)) * g where -20 <= d <= 20 (and k3 within the clamp)
+            c = _scratch(scratch[0], lp)
+            _d_into(w, lp, ref)
+            torch.clamp(w, -K3_CLAMP, K3_CLAMP, out=c)
+            inside = torch.eq(w, c)  # False outside the clamp and at NaN, as clamp's gradient
+            torch.neg(c, out=w)
+            w.expm1_()  # w = expm1(-c); the gradient factor is -w = 1 - exp(-c)
+            if kind == "low_var_kl":
+                c.add_(w)  # c = k3 (the composition's order: expm1(-c) + c)
+                inside.logical_and_(c.abs_() <= LOW_VAR_KL_CLAMP)
+            w.mul_(g).neg_()
+            keep = inside if m is None else inside.logical_and_(m)
+        if keep is not None:
+            torch.where(keep, w, zero, out=w)
+        if not direct:
+            if glp is not None:
+                glp.copy_(w)
+            if gref is not None:
+                if gref.dtype == dtype:
+                    torch.neg(w, out=gref)
+                else:
+                    gref.copy_(w.neg_())
+
+    n_scratch = (1 if kind in ("k3", "low_var_kl") else 0) + (0 if direct else 1)
+    chunks = _chunks(chunk, grad, logprob, ref_logprob, mask, grad_logprob, grad_ref)
+    _run(chunks, work, n_scratch, logprob, dtype)
+    return grad_logprob, grad_ref
