@@ -44,6 +44,11 @@ class Rollouts(IterableDataset):
     def __init__(self, module: "KLBandit", batch_size: int, num_batches: int) -> None:
         self.module, self.batch_size, self.num_batches = module, batch_size, num_batches
 
+    def __len__(self) -> int:
+        # with a length Lightning does not fetch a batch ahead, so each rollout is sampled from the
+        # policy that the previous training_step left behind (truly on-policy)
+        return self.num_batches
+
     def __iter__(self) -> Iterator[dict[str, Tensor]]:
         for _ in range(self.num_batches):
             with torch.no_grad():

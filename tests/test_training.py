@@ -190,3 +190,19 @@ def test_yaml_bad_estimator_fails_before_training(where, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"Unknown KL estimator 'k3 \+'.*Valid names: 'k1'.*'low_var_kl\+'"):
         LightningCLI(_CountingBandit, args=["fit", "--config", str(_write_config(tmp_path, **names))])
     assert _CountingBandit.steps == 0
+
+
+def test_minimal_rollouts_are_on_policy(tmp_path):
+    """Each batch's behaviour log-probs are the policy's as training_step sees it (no prefetch)."""
+    gaps = []
+
+    class Checking(minimal.KLBandit):
+        def training_step(self, batch, batch_idx):
+            m = batch["mask"]
+            now = self.policy.logprob(batch["tokens"]).detach()
+            gaps.append((now[m] - batch["logprobs"][m]).abs().max().item())
+            return super().training_step(batch, batch_idx)
+
+    model = Checking(batch_size=8, lr=0.5)
+    _trainer(tmp_path, steps=5).fit(model)
+    assert len(gaps) == 5 and max(gaps) < 1e-6
