@@ -15,6 +15,10 @@ and keeps several full-size temporaries alive until backward. Here one
 * is skipped altogether when no input requires a gradient (the callback's ``no_grad`` path): the
   chunked forward runs with no autograd bookkeeping.
 
+Inputs of at most one chunk (on CPU) keep the composition (:func:`use_fused`): they sit in cache
+either way, and a dozen plain ops cost less Python than the fused set-up. On other devices the
+whole tensor is one chunk (one kernel per step, in place); that path has not been timed on a GPU.
+
 Semantics are those of the composition, term for term (DESIGN.md's table): ``k3`` is the k3 of ``d``
 clamped to ``[-20, 20]`` with a zero gradient outside, ``low_var_kl`` clamps that to ``[-10, 10]``
 with a zero gradient where clamped (both ends inclusive, as :func:`torch.clamp`'s gradient), ``abs``
@@ -32,10 +36,11 @@ composition's graph from the saved inputs and differentiates it, so the gradient
 differentiable. Under ``torch.compile`` the composition is used instead (the compiler fuses it
 itself; a Python chunk loop would be unrolled into the graph).
 
-Why no compiled kernel: ``torch.compile`` of the composition reaches the same floor on CPU, but costs
-tens of seconds of compilation per estimator, shape family and dtype on a 2-core machine (and needs a
-C++ toolchain at run time); the chunked eager kernels below need neither. See
-``benchmarks/bench_estimators.py``.
+Why no compiled kernel: measured on the project's 2-core CPU machine, ``torch.compile`` of the
+``k3+`` composition runs 8M float32 tokens forward+backward in 60 ms against 70 ms here, but its
+first call compiles for 16 s, again for every estimator, dtype and (until it goes dynamic) shape,
+and it needs a C++ toolchain at run time; the test suite would pay that for every estimator. The
+chunked eager kernels below need neither (``benchmarks/bench_estimators.py --compile``).
 """
 
 from __future__ import annotations
@@ -67,9 +72,18 @@ ENABLED = True
 FUSED_BASES: frozenset[str] = frozenset(("k1", "abs", "k2", "k3", "low_var_kl"))
 
 
-def use_fused(spec: EstimatorSpec) -> bool:
-    """Whether :func:`fused_kl_value` serves ``spec`` here (else the caller composes the maths)."""
-    return ENABLED and spec.base in FUSED_BASES and not torch.compiler.is_compiling()
+def use_fused(spec: EstimatorSpec, logprob: Tensor) -> bool:
+    """Whether :func:`fused_kl_value` serves ``spec`` on ``logprob`` (else the caller composes the maths).
+
+    Inputs of one chunk or less (on CPU) take the composition: they fit in cache whichever way, and
+    its dozen ops cost less Python than the fused path's set-up (about 60 us less at 1K tokens).
+    """
+    return (
+        ENABLED
+        and spec.base in FUSED_BASES
+        and (logprob.numel() > CHUNK or logprob.device.type != "cpu")
+        and not torch.compiler.is_compiling()
+    )
 
 
 def fused_kl_value(
@@ -92,7 +106,7 @@ def fused_kl_value(
 
     Returns:
         A new contiguous tensor of the inputs' shape in ``dtype``, differentiable w.r.t. whichever
-        input requires a gradient (once: no double backward).
+        input requires a gradient (twice too, through the composition: see the module's notes).
     """
     if chunk is None:
         chunk = CHUNK if logprob.device.type == "cpu" else max(1, logprob.numel())
@@ -177,6 +191,8 @@ def _chunk_index(shape: tuple[int, ...], chunk: int) -> list[tuple]:
 def _chunks(chunk: int, *tensors: Optional[Tensor]) -> list[tuple[Optional[Tensor], ...]]:
     """Aligned chunk views of same-shaped tensors (``None`` stays ``None``), without copies."""
     present = [t for t in tensors if t is not None]
+    if present[0].numel() <= chunk:
+        return [tensors]  # one chunk: the tensors themselves, whatever their strides
     if all(t.is_contiguous() for t in present):
         flat = [None if t is None else t.view(-1) for t in tensors]  # a 0-d tensor becomes [1]
         n = present[0].numel()
@@ -186,8 +202,10 @@ def _chunks(chunk: int, *tensors: Optional[Tensor]) -> list[tuple[Optional[Tenso
 
 
 def _scratch(buf: Tensor, like: Tensor) -> Tensor:
-    """A view of the first ``like.numel()`` elements of a flat scratch buffer, shaped like ``like``."""
-    return buf[: like.numel()].view(like.shape)
+    """A scratch buffer (shaped like the first chunk) viewed as a chunk shaped like ``like``."""
+    if buf.shape == like.shape:
+        return buf
+    return buf.view(-1)[: like.numel()].view(like.shape)
 
 
 def _d_into(out: Tensor, logprob: Tensor, ref_logprob: Tensor) -> None:
@@ -204,7 +222,9 @@ def _d_into(out: Tensor, logprob: Tensor, ref_logprob: Tensor) -> None:
 # the chunk loop, spread over threads
 
 
-def _run(chunks: list, work: Callable[[tuple, list[Tensor]], None], n_scratch: int, like: Tensor, dtype: torch.dtype) -> None:
+def _run(
+    chunks: list, work: Callable[[tuple, list[Tensor]], None], n_scratch: int, like: Tensor, dtype: torch.dtype
+) -> None:
     """``work(chunk, scratch)`` for every chunk; on CPU, chunks are dealt to several threads.
 
     On CPU each chunk is small enough (<= 32768 elements: torch's grain) that every op on it runs
@@ -213,14 +233,17 @@ def _run(chunks: list, work: Callable[[tuple, list[Tensor]], None], n_scratch: i
     barrier per call instead of one per op: a thread descheduled by another process holds up
     nothing but its own share, where an OpenMP region per op would wait for it every time.
     """
-    size = max(c[0].numel() for c in chunks[:1]) if chunks else 0
+    shape = chunks[0][0].shape if chunks else (0,)  # the first chunk is a largest one
     n_workers = min(_n_threads(like), len(chunks))
+    # grad mode and inference mode are per thread: the workers take the caller's (an inference
+    # tensor may only be written in inference mode), and never record the out= ops
+    inference = torch.is_inference_mode_enabled()
 
     def scratch() -> list[Tensor]:
-        return [torch.empty(size, dtype=dtype, device=like.device) for _ in range(n_scratch)]
+        return [torch.empty(shape, dtype=dtype, device=like.device) for _ in range(n_scratch)]
 
     def worker(i: int) -> None:
-        with torch.no_grad():  # grad mode is per thread; the chunk ops write into out= views
+        with torch.inference_mode() if inference else torch.no_grad():
             buffers = scratch()
             for c in chunks[i::n_workers]:
                 work(c, buffers)
@@ -266,20 +289,52 @@ if hasattr(os, "register_at_fork"):
 # forward: the value
 
 
+def _bits(x: Tensor) -> Tensor:
+    """``x`` viewed as signed integers of its width: float bit patterns to mask with ``&``."""
+    return x.view(_INT_OF[x.dtype])
+
+
+_INT_OF = {
+    torch.float64: torch.int64,
+    torch.float32: torch.int32,
+    torch.float16: torch.int16,
+    torch.bfloat16: torch.int16,
+}
+
+
+def _mask_bits(out: Tensor, mask: Tensor) -> Tensor:
+    """``out`` (a float scratch chunk) as integers: all ones where ``mask``, 0 elsewhere."""
+    bits = _bits(out)
+    bits.copy_(mask)  # 1 / 0
+    return bits.neg_()  # -1 (every bit set) / 0
+
+
+def _ones_to_bits(x: Tensor) -> Tensor:
+    """A float chunk holding 1.0 / 0.0 (an in-place comparison's result) as all-ones / 0 integers."""
+    bits = _bits(x)
+    # 1.0 is 0b0011 1111 1...: its top three bits are 001, so a right shift by (width - 3) leaves 1
+    return bits.bitwise_right_shift_(8 * x.element_size() - 3).neg_()
+
+
+# Masking is done on bit patterns (``value_bits &= keep_bits``): an exact +0.0 wherever the mask is
+# off whatever the value held (NaN, inf), like torch.where, but with vectorized integer ops: this
+# torch's CPU kernels for bool tensors (where, comparisons into bool, logical_and) are scalar loops,
+# 5-10x slower than the rest of a chunk's work together.
+
+
 def _forward(
     logprob: Tensor, ref_logprob: Tensor, mask: Optional[Tensor], base: str, dtype: torch.dtype, chunk: int
 ) -> Tensor:
     out = torch.empty(logprob.shape, dtype=dtype, device=logprob.device)
     if out.numel() == 0:
         return out
-    zero = torch.zeros((), dtype=dtype, device=out.device)
     k3 = base in ("k3", "low_var_kl")
 
     def work(c: tuple, scratch: list[Tensor]) -> None:
         o, lp, ref, m = c
         _d_into(o, lp, ref)
         if m is not None:
-            torch.where(m, o, zero, out=o)
+            _bits(o).bitwise_and_(_mask_bits(_scratch(scratch[0], o), m))
         if base == "abs":
             o.abs_()
         elif base == "k2":
@@ -294,7 +349,8 @@ def _forward(
             if base == "low_var_kl":
                 o.clamp_(-LOW_VAR_KL_CLAMP, LOW_VAR_KL_CLAMP)
 
-    _run(_chunks(chunk, out, logprob, ref_logprob, mask), work, 1 if k3 else 0, out, dtype)
+    n_scratch = 1 if k3 or mask is not None else 0
+    _run(_chunks(chunk, out, logprob, ref_logprob, mask), work, n_scratch, out, dtype)
     return out
 
 
@@ -319,16 +375,16 @@ def _backward(
     grad_ref = torch.empty(ref_logprob.shape, dtype=ref_logprob.dtype, device=device) if need_ref else None
     if logprob.numel() == 0 or not (need_logprob or need_ref):
         return grad_logprob, grad_ref
-    zero = torch.zeros((), dtype=dtype, device=device)
     # the gradient w.r.t. logprob is computed straight into grad_logprob when that is the only
     # output and already in the compute dtype; otherwise in a float scratch chunk, then written out
     direct = grad_logprob is not None and grad_ref is None and grad_logprob.dtype == dtype
     kind = "d" if straight_through or base == "k2" else base
+    k3 = kind in ("k3", "low_var_kl")
 
     def work(chunk_views: tuple, scratch: list[Tensor]) -> None:
         g, lp, ref, m, glp, gref = chunk_views
-        w = glp if direct else _scratch(scratch[-1], lp)
-        keep = m  # where the gradient may be nonzero
+        w = glp if direct else _scratch(scratch[2], lp)
+        keep = None  # bits: all ones where the gradient may be nonzero
         if kind == "d":  # k2 and every '+': d * g
             _d_into(w, lp, ref)
             w.mul_(g)
@@ -339,19 +395,21 @@ def _backward(
             w.sign_()
             w.mul_(g)
         else:  # k3 / low_var_kl: (1 - exp(-c)) * g where -20 <= d <= 20 (and k3 within the clamp)
-            c = _scratch(scratch[0], lp)
-            _d_into(w, lp, ref)
-            torch.clamp(w, -K3_CLAMP, K3_CLAMP, out=c)
-            inside = torch.eq(w, c)  # False outside the clamp and at NaN, as clamp's gradient
+            k, c = _scratch(scratch[0], lp), _scratch(scratch[1], lp)
+            _d_into(k, lp, ref)
+            torch.clamp(k, -K3_CLAMP, K3_CLAMP, out=c)
+            keep = _ones_to_bits(k.eq_(c))  # 0 outside the clamp and at NaN, as clamp's gradient
             torch.neg(c, out=w)
             w.expm1_()  # w = expm1(-c); the gradient factor is -w = 1 - exp(-c)
             if kind == "low_var_kl":
                 c.add_(w)  # c = k3 (the composition's order: expm1(-c) + c)
-                inside.logical_and_(c.abs_() <= LOW_VAR_KL_CLAMP)
+                keep.bitwise_and_(_ones_to_bits(c.abs_().le_(LOW_VAR_KL_CLAMP)))
             w.mul_(g).neg_()
-            keep = inside if m is None else inside.logical_and_(m)
+        if m is not None:
+            mask_bits = _mask_bits(_scratch(scratch[1], lp), m)
+            keep = mask_bits if keep is None else keep.bitwise_and_(mask_bits)
         if keep is not None:
-            torch.where(keep, w, zero, out=w)
+            _bits(w).bitwise_and_(keep)
         if not direct:
             if glp is not None:
                 glp.copy_(w)
@@ -361,7 +419,8 @@ def _backward(
                 else:
                     gref.copy_(w.neg_())
 
-    n_scratch = (1 if kind in ("k3", "low_var_kl") else 0) + (0 if direct else 1)
+    # scratch: [0] keep bits (k3), [1] the clamp (k3) then the mask bits, [2] the gradient if not direct
+    n_scratch = 3 if not direct else 2 if k3 or mask is not None else 0
     chunks = _chunks(chunk, grad, logprob, ref_logprob, mask, grad_logprob, grad_ref)
     _run(chunks, work, n_scratch, logprob, dtype)
     return grad_logprob, grad_ref

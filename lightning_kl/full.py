@@ -17,7 +17,8 @@ keeps four or five ``[n, V]`` tensors alive between forward and backward and cre
 backward. Here the work runs over chunks of rows: the forward keeps only the per-token KL, and the
 backward recomputes each chunk's log-probabilities from the inputs and writes that chunk of the
 gradient. Beyond the inputs and the gradients, forward and backward hold a few ``chunk x V``
-temporaries (the chunk is sized to stay in cache) and ``O(n)`` numbers.
+temporaries (the chunk is sized to stay in cache; on CPU, a few per torch thread: the chunks run
+concurrently on a small pool of threads, see :data:`CPU_THREAD_POOL`) and ``O(n)`` numbers.
 
 Conventions:
 
@@ -35,7 +36,11 @@ Conventions:
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+import os
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Optional, TypeVar
 
 import torch
 from torch import Tensor
@@ -45,15 +50,23 @@ from lightning_kl.functional import _check_floating, compute_dtype
 
 __all__ = ["check_full_inputs", "check_temperature", "full_kl", "full_kl_compute", "reject_old_logprob"]
 
-# Elements per chunk (rows = elements // V). On CPU a chunk's float32 temporaries (4 MiB each at
-# 2^20 elements) stay in cache, so only the inputs and the gradients travel through main memory:
-# at 2048 x 32768 on one thread, chunks of 2 ... 64 rows all ran 2.6-3x faster than the plain
-# composition; larger chunks mean fewer, larger ops, which cost less when the cores are shared with
-# other processes. On GPU a chunk only has to be large enough to fill the device: 2^25 elements,
-# 128 MiB per float32 temporary.
-CPU_CHUNK_ELEMENTS = 2**20
+# Elements per chunk (rows = elements // V). On CPU a chunk's float32 temporaries stay in cache,
+# so only the inputs and the gradients travel through main memory: at 2048 x 32768 on one thread,
+# chunks of 2 ... 64 rows all ran about 3x faster than the plain composition. With several torch
+# threads the chunks are spread over a pool of Python threads that each run single-threaded ops
+# (CPU_THREAD_POOL, below), 2^19 elements (2 MiB per float32 buffer) per chunk and thread. Without
+# the pool each chunk would be a dozen short *parallel* ops, and each of those waits for its slowest
+# intra-op thread: on cores shared with other busy processes that wait made it several times
+# slower than the composition; the pool's threads wait for nobody. On GPU a chunk only has to be
+# large enough to fill the device: 2^25 elements, 128 MiB per float32 buffer.
+CPU_CHUNK_ELEMENTS = 2**19
+CPU_SERIAL_CHUNK_ELEMENTS = 2**20  # CPU without the pool: fewer, larger parallel ops
 CUDA_CHUNK_ELEMENTS = 2**25
 
+#: Run CPU chunks on a pool of ``torch.get_num_threads()`` Python threads with single-threaded ops
+#: (torch releases the GIL inside ops). Only with torch's OpenMP backend; set False to run every
+#: chunk in the calling thread with torch's intra-op parallelism instead.
+CPU_THREAD_POOL = True
 
 
 def reject_old_logprob(old_logprob: Any) -> None:
@@ -183,6 +196,7 @@ def full_kl_compute(
 # logit is -inf that is 0 * (-inf or NaN) = NaN, so rows whose KL comes out NaN are done again on
 # the safe path, which sets 0 log 0 = 0 (two more passes per chunk, paid only by those rows).
 
+
 class _Rows:
     """A ``[..., V]`` tensor read by chunks of flat token indices, without copying it whole.
 
@@ -208,7 +222,7 @@ class _Rows:
         return self.x[torch.unravel_index(idx, self.lead)], True
 
 
-def _chunks(rows: Optional[Tensor], n_work: int, chunk_size: int):
+def _chunks(rows: Optional[Tensor], n_work: int, chunk_size: int) -> Iterator[tuple[slice, slice | Tensor]]:
     """``(positions in the work list, row indices)`` per chunk; ``rows`` None: all rows in order."""
     for start in range(0, n_work, chunk_size):
         pos = slice(start, min(start + chunk_size, n_work))
@@ -257,12 +271,82 @@ def _chunk_grads(
     if d is not None:
         d.sub_(kl)
         if safe:
+            # 0 log 0 = 0 where p is 0, as in the forward
             d.mul_(p).masked_fill_(p == 0, 0)
+            grad_z = torch.mul(d, scale, out=d if out_z is None else out_z)
         else:
-            d.mul_(p.mul_(scale)) if out_z is None else torch.mul(d, p.mul_(scale), out=out_z)
-            return (d if out_z is None else out_z), grad_ref
-        grad_z = torch.mul(d, scale, out=d if out_z is None else out_z)
+            grad_z = torch.mul(d, p.mul_(scale), out=d if out_z is None else out_z)
     return grad_z, grad_ref
+
+
+# ---------------------------------------------------------------------------------------------
+# running the chunks: on CPU, a pool of Python threads with single-threaded ops
+#
+# torch sets OpenMP's thread count per thread: a worker that calls set_num_threads(1) runs its
+# ops serially, and only the process-wide default (read by threads that start later) has to be
+# put back, once, when the pool starts. Chunks then run concurrently, each on one core, and a
+# worker that the OS preempts delays its own chunk only, instead of every op of every chunk.
+
+_T = TypeVar("_T")
+_pool_lock = threading.Lock()
+_pool: Optional[tuple[int, int, ThreadPoolExecutor]] = None  # (pid, threads, executor)
+_in_worker = threading.local()
+_OPENMP: Optional[bool] = None
+
+
+def _openmp_backend() -> bool:
+    global _OPENMP
+    if _OPENMP is None:
+        _OPENMP = "ATen parallel backend: OpenMP" in torch.__config__.parallel_info()
+    return _OPENMP
+
+
+def _init_worker() -> None:
+    _in_worker.active = True
+    torch.get_num_threads()  # this thread's lazy OpenMP set-up first, so that the next line sticks
+    torch.set_num_threads(1)  # this thread's OpenMP and MKL settings (and, for now, the global default)
+
+
+def _cpu_pool(device: torch.device, n_tasks: int) -> Optional[ThreadPoolExecutor]:
+    """The pool for CPU chunks, or None to run them in this thread."""
+    if not (CPU_THREAD_POOL and device.type == "cpu" and n_tasks > 1 and _openmp_backend()):
+        return None
+    if getattr(_in_worker, "active", False):
+        return None
+    n = torch.get_num_threads()
+    if n < 2:
+        return None
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool[0] != os.getpid() or _pool[1] != n:
+            if _pool is not None and _pool[0] == os.getpid():
+                _pool[2].shutdown(wait=False)
+            executor = ThreadPoolExecutor(max_workers=n, thread_name_prefix="lightning_kl.full", initializer=_init_worker)
+            # start every worker now (each task waits until all n run, so each has its own thread),
+            # then restore the process-wide default that the workers' set_num_threads(1) changed
+            barrier = threading.Barrier(n)
+            list(executor.map(lambda _: barrier.wait(), range(n)))
+            torch.set_num_threads(n)
+            _pool = (os.getpid(), n, executor)
+        return _pool[2]
+
+
+def _for_each(fn: Callable[[_T], None], items: Sequence[_T], device: torch.device) -> None:
+    """``fn(item)`` for every item: on the CPU pool when there is one, else in order, here."""
+    pool = _cpu_pool(device, len(items))
+    if pool is None:
+        for item in items:
+            fn(item)
+        return
+    # grad mode and inference mode are per thread: carry this thread's into the workers
+    grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+
+    def run(item: _T) -> None:
+        with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+            fn(item)
+
+    for future in [pool.submit(run, item) for item in items]:
+        future.result()  # re-raises a worker's exception here
 
 
 class _FullKL(torch.autograd.Function):
@@ -281,8 +365,7 @@ class _FullKL(torch.autograd.Function):
         dtype = compute_dtype(logits, ref_logits)
         device = logits.device
         if chunk_size is None:
-            budget = CUDA_CHUNK_ELEMENTS if device.type == "cuda" else CPU_CHUNK_ELEMENTS
-            chunk_size = max(1, budget // max(vocab, 1))
+            chunk_size = max(1, _chunk_elements(device) // max(vocab, 1))
         src, ref = _Rows(logits), _Rows(ref_logits)
 
         # the work list: the valid tokens (padding is never read), None for all of them in order
@@ -294,9 +377,13 @@ class _FullKL(torch.autograd.Function):
         n_work = n if rows is None else rows.numel()
 
         kl = torch.empty(n_work, dtype=dtype, device=device)
-        for pos, idx in _chunks(rows, n_work, chunk_size):
+
+        def fast(chunk: tuple[slice, slice | Tensor]) -> None:
+            pos, idx = chunk
             logp = _log_probs(src, idx, dtype, temperature)
             kl[pos] = _chunk_kl(logp, _log_probs(ref, idx, dtype, temperature), safe=False)
+
+        _for_each(fast, list(_chunks(rows, n_work, chunk_size)), device)
         # rows to redo on the safe path (a -inf policy logit, or NaN logits, which stay NaN)
         redo = kl.isnan().nonzero().squeeze(-1)
         redo_rows = redo if rows is None else rows[redo]
@@ -315,6 +402,7 @@ class _FullKL(torch.autograd.Function):
         logits, ref_logits, mask_flat, rows, kl, redo, redo_rows = ctx.saved_tensors
         need_z, need_ref = bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1])
         temperature, chunk_size, dtype = ctx.temperature, ctx.chunk_size, ctx.dtype
+        device = logits.device
         src, ref = _Rows(logits), _Rows(ref_logits)
         n_work = kl.numel()
         # d(loss)/d(KL) of each processed token, over T: the common factor of both formulas
@@ -326,29 +414,30 @@ class _FullKL(torch.autograd.Function):
 
         grad_z = _new_grad(logits, mask_flat, rows) if need_z else None
         grad_ref = _new_grad(ref_logits, mask_flat, rows) if need_ref else None
+        def chunk_grads(at: slice | Tensor, idx: slice | Tensor, safe: bool) -> None:
+            out_z = _direct(grad_z, idx, dtype)
+            out_ref = _direct(grad_ref, idx, dtype)
+            gz, gr = _chunk_grads(
+                _log_probs(src, idx, dtype, temperature),
+                _log_probs(ref, idx, dtype, temperature),
+                kl[at],
+                scale[at],
+                need_z,
+                need_ref,
+                safe,
+                out_z,
+                out_ref,
+            )
+            # each chunk writes its own rows: chunks may run concurrently (_for_each)
+            if grad_z is not None and out_z is None:
+                _write(grad_z, idx, gz)
+            if grad_ref is not None and out_ref is None:
+                _write(grad_ref, idx, gr)
+
         # the fast pass over every row, then the safe pass over the rows the forward redid
-        for work_rows, redo_pos in ((rows, None), (redo_rows, redo)):
-            safe = redo_pos is not None
-            n_pass = n_work if redo_pos is None else redo_pos.numel()
-            for pos, idx in _chunks(work_rows, n_pass, chunk_size):
-                at = pos if redo_pos is None else redo_pos[pos]
-                out_z = _direct(grad_z, idx, dtype)
-                out_ref = _direct(grad_ref, idx, dtype)
-                gz, gr = _chunk_grads(
-                    _log_probs(src, idx, dtype, temperature),
-                    _log_probs(ref, idx, dtype, temperature),
-                    kl[at],
-                    scale[at],
-                    need_z,
-                    need_ref,
-                    safe,
-                    out_z,
-                    out_ref,
-                )
-                if grad_z is not None and out_z is None:
-                    _write(grad_z, idx, gz)
-                if grad_ref is not None and out_ref is None:
-                    _write(grad_ref, idx, gr)
+        _for_each(lambda c: chunk_grads(c[0], c[1], False), list(_chunks(rows, n_work, chunk_size)), device)
+        redone = [(redo[pos], idx) for pos, idx in _chunks(redo_rows, redo.numel(), chunk_size)]
+        _for_each(lambda c: chunk_grads(c[0], c[1], True), redone, device)
         return (
             None if grad_z is None else grad_z.view(logits.shape),
             None if grad_ref is None else grad_ref.view(ref_logits.shape),
@@ -356,6 +445,13 @@ class _FullKL(torch.autograd.Function):
             None,
             None,
         )
+
+
+def _chunk_elements(device: torch.device) -> int:
+    if device.type != "cpu":
+        return CUDA_CHUNK_ELEMENTS
+    pooled = CPU_THREAD_POOL and torch.get_num_threads() > 1 and _openmp_backend()
+    return CPU_CHUNK_ELEMENTS if pooled else CPU_SERIAL_CHUNK_ELEMENTS
 
 
 def _new_grad(x: Tensor, mask_flat: Optional[Tensor], rows: Optional[Tensor]) -> Tensor:
