@@ -46,7 +46,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from lightning_kl.functional import _check_floating, compute_dtype
+from lightning_kl.functional import check_matching, compute_dtype
 
 __all__ = ["check_full_inputs", "check_temperature", "full_kl", "full_kl_compute", "reject_old_logprob"]
 
@@ -102,18 +102,10 @@ def check_full_inputs(logits: Any, ref_logits: Any, mask: Optional[Tensor]) -> O
         TypeError: for inputs that are not floating point tensors, or a mask that is not a tensor.
         ValueError: for shapes or devices that do not match (both are named).
     """
-    _check_floating("logits", logits)
-    _check_floating("ref_logits", ref_logits)
-    assert isinstance(logits, Tensor) and isinstance(ref_logits, Tensor)
+    check_matching("logits", logits, "ref_logits", ref_logits)
+    assert isinstance(logits, Tensor)
     if logits.ndim == 0:
         raise ValueError("'full' takes logits `[..., V]` with a vocabulary dimension, got a scalar.")
-    if logits.shape != ref_logits.shape:
-        raise ValueError(
-            "`logits` and `ref_logits` must have the same shape `[..., V]`: got logits "
-            f"{tuple(logits.shape)} and ref_logits {tuple(ref_logits.shape)}."
-        )
-    if logits.device != ref_logits.device:
-        raise ValueError(f"`logits` is on {logits.device} but `ref_logits` is on {ref_logits.device}.")
     if mask is None:
         return None
     if not isinstance(mask, Tensor):

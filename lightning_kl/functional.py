@@ -203,30 +203,27 @@ def check_max_weight(max_weight: object) -> Optional[float]:
     return float(max_weight)
 
 
-def _check_pair(logprob: object, ref_logprob: object) -> None:
-    _check_floating("logprob", logprob)
-    _check_floating("ref_logprob", ref_logprob)
-    assert isinstance(logprob, Tensor) and isinstance(ref_logprob, Tensor)
-    if logprob.shape != ref_logprob.shape:
+def check_matching(a_name: str, a: object, b_name: str, b: object) -> None:
+    """Both floating point tensors of one shape on one device; the errors name both."""
+    _check_floating(a_name, a)
+    _check_floating(b_name, b)
+    assert isinstance(a, Tensor) and isinstance(b, Tensor)
+    if a.shape != b.shape:
         raise ValueError(
-            "`logprob` and `ref_logprob` must have the same shape: got logprob "
-            f"{tuple(logprob.shape)} and ref_logprob {tuple(ref_logprob.shape)}."
+            f"`{a_name}` and `{b_name}` must have the same shape: got {a_name} "
+            f"{tuple(a.shape)} and {b_name} {tuple(b.shape)}."
         )
-    if logprob.device != ref_logprob.device:
-        raise ValueError(f"`logprob` is on {logprob.device} but `ref_logprob` is on {ref_logprob.device}.")
+    if a.device != b.device:
+        raise ValueError(f"`{a_name}` is on {a.device} but `{b_name}` is on {b.device}.")
+
+
+def _check_pair(logprob: object, ref_logprob: object) -> None:
+    check_matching("logprob", logprob, "ref_logprob", ref_logprob)
 
 
 def check_old_logprob(old_logprob: Optional[Tensor], logprob: Tensor) -> None:
-    if old_logprob is None:
-        return
-    _check_floating("old_logprob", old_logprob)
-    if old_logprob.shape != logprob.shape:
-        raise ValueError(
-            "`old_logprob` must have the shape of `logprob`: got old_logprob "
-            f"{tuple(old_logprob.shape)} and logprob {tuple(logprob.shape)}."
-        )
-    if old_logprob.device != logprob.device:
-        raise ValueError(f"`old_logprob` is on {old_logprob.device} but `logprob` is on {logprob.device}.")
+    if old_logprob is not None:
+        check_matching("old_logprob", old_logprob, "logprob", logprob)
 
 
 def kl_penalty(
