@@ -400,7 +400,7 @@ def aggregate(
         return _times(v.sum(), world_size)
     if mode == "token-mean":
         if num_tokens is None:
-            num_tokens = v.numel() if mask is None else mask.sum()
+            num_tokens = v.numel() if mask is None else torch.count_nonzero(mask)
         return _times(v.sum() / _at_least_one(num_tokens, dtype, v.device), world_size)
     if mode == "seq-mean-token-sum-norm":
         return _times(v.sum() / (values.shape[-1] if norm is None else norm), world_size)
@@ -436,7 +436,7 @@ def aggregate_counts(values: Tensor, mask: Optional[Tensor] = None) -> Tensor:
         n_seqs = math.prod(values.shape[:-1]) if values.shape[-1] else 0
         return torch.tensor([values.numel(), n_seqs], dtype=torch.int64, device=values.device)
     m = mask.detach()
-    return torch.stack([m.sum(), m.any(-1).sum()]).to(torch.int64)
+    return torch.stack([torch.count_nonzero(m), torch.count_nonzero(m.any(-1))]).to(torch.int64)
 
 
 def _check_count(name: str, n: object) -> None:

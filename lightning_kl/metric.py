@@ -20,7 +20,7 @@ def _kl_metric_update(values: Tensor, mask: Optional[Tensor]) -> tuple[Tensor, T
     v = values.detach().to(torch.float64)
     if mask is None:
         return v.sum(), torch.tensor(v.numel(), dtype=torch.int64, device=v.device)
-    return torch.where(mask, v, torch.zeros((), dtype=v.dtype, device=v.device)).sum(), mask.sum()
+    return torch.where(mask, v, torch.zeros((), dtype=v.dtype, device=v.device)).sum(), torch.count_nonzero(mask)
 
 
 def _kl_metric_compute(total: Tensor, count: Tensor) -> Tensor:
