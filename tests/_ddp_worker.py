@@ -182,6 +182,10 @@ def main(out_dir: str) -> None:
     record = fit(out_dir, devices=WORLD, strategy="ddp")
     with open(os.path.join(out_dir, f"rank{record['rank']}.json"), "w") as f:
         json.dump(record, f)
+    # tear the gloo process group down before the interpreter exits: left to interpreter shutdown,
+    # its C++ threads sometimes abort the process ("terminate called without an active exception")
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
