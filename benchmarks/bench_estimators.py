@@ -4,7 +4,7 @@ For every base estimator and its ``+`` variant, on ``--n`` tokens (default 8M) w
 valid), in float32 and bfloat16, ``logprob`` requiring a gradient and ``ref_logprob`` not (the
 training case):
 
-* time: ``_kl_penalty_compute(logprob, ref, spec, mask)`` then ``backward(upstream)`` with a
+* time: ``kl_penalty_compute(logprob, ref, spec, mask)`` then ``backward(upstream)`` with a
   preallocated upstream gradient; the two variants interleaved, run after run, and the median of
   ``--repeats`` runs of each; the ratio is fused / composition, measured in the same process.
 * peak extra memory: one child process per variant and dtype allocates the inputs, runs each
@@ -36,9 +36,9 @@ import time
 
 import torch
 
-from lightning_kl import _fused
+from lightning_kl.kernels import fused as _fused
 from lightning_kl.estimators import BASE_ESTIMATORS, estimator_value, parse_estimator
-from lightning_kl.functional import _kl_penalty_compute, aggregate
+from lightning_kl.functional import kl_penalty_compute, aggregate
 
 NAMES = [n for b in BASE_ESTIMATORS for n in (b, f"{b}+")]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -62,7 +62,7 @@ def step(name: str, variant: str, logprob, ref, mask, upstream, in_loss: bool = 
     """
     _fused.ENABLED = variant == "fused"
     try:
-        value = _kl_penalty_compute(logprob, ref, parse_estimator(name), mask)
+        value = kl_penalty_compute(logprob, ref, parse_estimator(name), mask)
     finally:
         _fused.ENABLED = True
     if in_loss:

@@ -49,7 +49,7 @@ def _child(args: argparse.Namespace) -> None:
     import torch
 
     import lightning_kl as lk
-    from lightning_kl.full import full_kl
+    from lightning_kl.kernels.full import full_kl
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)

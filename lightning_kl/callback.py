@@ -14,7 +14,8 @@ from typing_extensions import override
 
 from lightning_kl.controllers import FixedKLController, KLController
 from lightning_kl.estimators import SAMPLED_ESTIMATORS, parse_estimator
-from lightning_kl.functional import _check_pair, _kl_penalty_compute, check_mask, compute_dtype
+from lightning_kl.functional import check_pair, kl_penalty_compute
+from lightning_kl.ground.checks import check_mask, compute_dtype
 
 __all__ = ["KLRewardCallback"]
 
@@ -134,7 +135,7 @@ class KLRewardCallback(Callback):
         scores = batch[self.scores_key]
         logprobs = batch[self.logprobs_key]
         ref_logprobs = batch[self.ref_logprobs_key]
-        _check_pair(logprobs, ref_logprobs)
+        check_pair(logprobs, ref_logprobs)
         if logprobs.ndim < 1:
             raise ValueError(f"`{self.logprobs_key}` must have a token dimension, got shape {tuple(logprobs.shape)}.")
         mask = check_mask(batch[self.mask_key], logprobs, self.logprobs_key)
@@ -143,7 +144,7 @@ class KLRewardCallback(Callback):
             raise TypeError(f"`{self.scores_key}` must be a tensor, got {type(scores).__name__}.")
 
         with torch.no_grad():
-            kl = _kl_penalty_compute(logprobs, ref_logprobs, self.spec, mask)
+            kl = kl_penalty_compute(logprobs, ref_logprobs, self.spec, mask)
             dtype = compute_dtype(kl, scores) if scores.is_floating_point() else kl.dtype
             penalty = (self.controller.value * kl).to(dtype)
             if scores.shape == kl.shape:

@@ -18,7 +18,7 @@ name (aliases)          value                                       gradient w.r
 The gradient with respect to ``ref_logprob`` is the negative of the one with respect to ``logprob``.
 
 One more name, ``full``, is not a sampled-token estimator: it takes both models' logits
-``[..., V]`` and returns the exact KL over the vocabulary (:mod:`lightning_kl.full`). Its gradient is
+``[..., V]`` and returns the exact KL over the vocabulary (:mod:`lightning_kl.kernels.full`). Its gradient is
 exact, so ``full+`` is rejected. :data:`SAMPLED_ESTIMATORS` lists every name but ``full``.
 
 Names are parsed once, by :func:`parse_estimator`, when an object is built; the maths below only ever
@@ -54,7 +54,7 @@ BASE_ESTIMATORS: tuple[str, ...] = ("k1", "abs", "k2", "k3", "low_var_kl")
 #: aliases, and each with the ``+`` suffix.
 SAMPLED_ESTIMATORS: tuple[str, ...] = tuple(_ALIASES) + tuple(f"{name}+" for name in _ALIASES)
 
-#: The exact KL over the whole vocabulary: takes logits ``[..., V]`` (see :mod:`lightning_kl.full`).
+#: The exact KL over the whole vocabulary: takes logits ``[..., V]`` (see :mod:`lightning_kl.kernels.full`).
 FULL = "full"
 
 #: Every accepted estimator name: the sampled ones and ``full``.

@@ -19,65 +19,26 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from lightning_kl import _fused
 from lightning_kl.estimators import EstimatorSpec, estimator_value, parse_estimator
-
-__all__ = ["AGG_MODES", "aggregate", "kl_penalty"]
-
-#: The aggregation modes accepted by :func:`aggregate` (verl's names and semantics).
-AGG_MODES: tuple[str, ...] = (
-    "token-mean",
-    "token-sum",
-    "seq-mean-token-sum",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum-norm",
+from lightning_kl.ground.checks import (
+    AGG_MODES,
+    check_agg_mode,
+    check_count,
+    check_floating,
+    check_full_inputs,
+    check_mask,
+    check_matching,
+    check_max_weight,
+    check_sampled_temperature,
+    compute_dtype,
+    reject_old_logprob,
 )
+from lightning_kl.kernels import fused
+from lightning_kl.kernels.full import full_kl_compute
 
+__all__ = ["AGG_MODES", "aggregate", "aggregate_counts", "importance_weight", "kl_penalty", "kl_penalty_compute"]
 
-def check_agg_mode(mode: object) -> str:
-    """Validate an aggregation mode name; raise ``ValueError`` listing the valid ones."""
-    if not isinstance(mode, str) or mode not in AGG_MODES:
-        valid = ", ".join(repr(m) for m in AGG_MODES)
-        raise ValueError(f"Unknown aggregation mode {mode!r}. Valid modes: {valid}.")
-    return mode
-
-
-def _check_floating(name: str, x: object) -> Tensor:
-    if not isinstance(x, Tensor):
-        raise TypeError(f"`{name}` must be a torch.Tensor, got {type(x).__name__}.")
-    if not x.is_floating_point():
-        raise TypeError(f"`{name}` must be a floating point tensor, got dtype {x.dtype}.")
-    return x
-
-
-def check_mask(mask: Optional[Tensor], like: Tensor, like_name: str) -> Optional[Tensor]:
-    """Return ``mask`` as a bool tensor of ``like``'s shape, or raise an error naming both shapes.
-
-    A bool mask is used as is; an integer or floating mask is read as ``mask != 0``.
-    """
-    if mask is None:
-        return None
-    if not isinstance(mask, Tensor):
-        raise TypeError(f"`mask` must be a torch.Tensor or None, got {type(mask).__name__}.")
-    if mask.shape != like.shape:
-        raise ValueError(
-            f"`mask` must have the shape of `{like_name}`: got mask {tuple(mask.shape)} "
-            f"and {like_name} {tuple(like.shape)}."
-        )
-    if mask.device != like.device:
-        raise ValueError(f"`mask` is on {mask.device} but `{like_name}` is on {like.device}.")
-    return mask if mask.dtype == torch.bool else mask != 0
-
-
-def compute_dtype(*tensors: Tensor) -> torch.dtype:
-    """The dtype the maths runs in: the inputs' promoted dtype, at least float32."""
-    dtype = tensors[0].dtype
-    for t in tensors[1:]:
-        dtype = torch.promote_types(dtype, t.dtype)
-    return torch.promote_types(dtype, torch.float32)
-
-
-def _kl_penalty_compute(
+def kl_penalty_compute(
     logprob: Tensor,
     ref_logprob: Tensor,
     spec: EstimatorSpec,
@@ -92,9 +53,9 @@ def _kl_penalty_compute(
     """
     dtype = compute_dtype(logprob, ref_logprob)
     zero = torch.zeros((), dtype=dtype, device=logprob.device)
-    if _fused.use_fused(spec, logprob):
-        # the same maths in one chunked pass each way (set _fused.ENABLED = False for the composition)
-        value = _fused.fused_kl_value(logprob, ref_logprob, spec, mask, dtype)
+    if fused.use_fused(spec, logprob):
+        # the same maths in one chunked pass each way (set fused.ENABLED = False for the composition)
+        value = fused.fused_kl_value(logprob, ref_logprob, spec, mask, dtype)
     else:
         d = logprob.to(dtype) - ref_logprob.to(dtype)
         if mask is not None:
@@ -186,42 +147,13 @@ def importance_weight(log_w: Tensor, spec: EstimatorSpec, max_weight: Optional[f
     return w
 
 
-def check_max_weight(max_weight: object) -> Optional[float]:
-    """Validate the importance weight cap: ``None``, or a finite real number ``>= 1``.
-
-    Raises:
-        ValueError: naming the bad value and the valid ones.
-    """
-    if max_weight is None:
-        return None
-    valid = isinstance(max_weight, (int, float)) and not isinstance(max_weight, bool)
-    if not valid or not math.isfinite(max_weight) or max_weight < 1:
-        raise ValueError(
-            "`max_weight` must be None (no truncation) or a finite number >= 1 (a cap below 1 would "
-            f"scale down on-policy tokens too, whose weight is 1), got {max_weight!r}."
-        )
-    return float(max_weight)
-
-
-def check_matching(a_name: str, a: object, b_name: str, b: object) -> None:
-    """Both floating point tensors of one shape on one device; the errors name both."""
-    _check_floating(a_name, a)
-    _check_floating(b_name, b)
-    assert isinstance(a, Tensor) and isinstance(b, Tensor)
-    if a.shape != b.shape:
-        raise ValueError(
-            f"`{a_name}` and `{b_name}` must have the same shape: got {a_name} "
-            f"{tuple(a.shape)} and {b_name} {tuple(b.shape)}."
-        )
-    if a.device != b.device:
-        raise ValueError(f"`{a_name}` is on {a.device} but `{b_name}` is on {b.device}.")
-
-
-def _check_pair(logprob: object, ref_logprob: object) -> None:
+def check_pair(logprob: object, ref_logprob: object) -> None:
+    """``logprob`` and ``ref_logprob``: floating tensors of one shape on one device."""
     check_matching("logprob", logprob, "ref_logprob", ref_logprob)
 
 
 def check_old_logprob(old_logprob: Optional[Tensor], logprob: Tensor) -> None:
+    """``old_logprob``, when given, fits ``logprob``."""
     if old_logprob is not None:
         check_matching("old_logprob", old_logprob, "logprob", logprob)
 
@@ -248,7 +180,7 @@ def kl_penalty(
     With ``estimator="full"`` the inputs are both models' *logits* ``[..., V]`` instead, ``mask`` is
     ``[...]``, and the result ``[...]`` is the exact KL of ``softmax(logits / temperature)`` to
     ``softmax(ref_logits / temperature)`` over the vocabulary, with its exact gradient, computed
-    by chunks in bounded memory (:mod:`lightning_kl.full`). ``old_logprob`` is rejected there: the
+    by chunks in bounded memory (:mod:`lightning_kl.kernels.full`). ``old_logprob`` is rejected there: the
     exact KL needs no importance weights.
 
     Args:
@@ -292,28 +224,16 @@ def kl_penalty(
     spec = parse_estimator(estimator)
     max_weight = check_max_weight(max_weight)
     if spec.base == "full":
-        # imported here: lightning_kl.full builds on this module's helpers
-        from lightning_kl.full import check_full_inputs, full_kl_compute, reject_old_logprob
-
         reject_old_logprob(old_logprob)
         mask = check_full_inputs(logprob, ref_logprob, mask)
         out_dtype = torch.promote_types(logprob.dtype, ref_logprob.dtype)
         return full_kl_compute(logprob, ref_logprob, mask, temperature).to(out_dtype)
-    _reject_temperature(temperature, spec)
-    _check_pair(logprob, ref_logprob)
+    check_sampled_temperature(temperature, spec.name)
+    check_pair(logprob, ref_logprob)
     check_old_logprob(old_logprob, logprob)
     mask = check_mask(mask, logprob, "logprob")
     out_dtype = torch.promote_types(logprob.dtype, ref_logprob.dtype)
-    return _kl_penalty_compute(logprob, ref_logprob, spec, mask, old_logprob, max_weight).to(out_dtype)
-
-
-def _reject_temperature(temperature: object, spec: EstimatorSpec) -> None:
-    """Sampled estimators take log-probs at the sampling temperature already: only T = 1 fits."""
-    if temperature != 1.0 or isinstance(temperature, bool):
-        raise ValueError(
-            f"`temperature` applies to the 'full' estimator (logits) only, got {temperature!r} with "
-            f"{spec.name!r}: compute the sampled tokens' log-probs at the sampling temperature instead."
-        )
+    return kl_penalty_compute(logprob, ref_logprob, spec, mask, old_logprob, max_weight).to(out_dtype)
 
 
 def aggregate(
@@ -381,14 +301,14 @@ def aggregate(
         tensor(2.5000)
     """
     mode = check_agg_mode(mode)
-    _check_floating("values", values)
+    check_floating("values", values)
     if values.ndim == 0:
         raise ValueError("`values` must have at least one (token) dimension, got a scalar.")
     mask = check_mask(mask, values, "values")
     if norm is not None and not norm > 0:
         raise ValueError(f"`norm` must be a positive number, got {norm!r}.")
-    _check_count("num_tokens", num_tokens)
-    _check_count("num_seqs", num_seqs)
+    check_count("num_tokens", num_tokens)
+    check_count("num_seqs", num_seqs)
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"`world_size` must be a positive integer, got {world_size!r}.")
     dtype = compute_dtype(values)
@@ -428,7 +348,7 @@ def aggregate_counts(values: Tensor, mask: Optional[Tensor] = None) -> Tensor:
     The local counts that :func:`aggregate` divides by; sum them over processes (one
     ``all_reduce``) and pass them back as ``num_tokens`` and ``num_seqs``.
     """
-    _check_floating("values", values)
+    check_floating("values", values)
     if values.ndim == 0:
         raise ValueError("`values` must have at least one (token) dimension, got a scalar.")
     mask = check_mask(mask, values, "values")
@@ -437,17 +357,6 @@ def aggregate_counts(values: Tensor, mask: Optional[Tensor] = None) -> Tensor:
         return torch.tensor([values.numel(), n_seqs], dtype=torch.int64, device=values.device)
     m = mask.detach()
     return torch.stack([torch.count_nonzero(m), torch.count_nonzero(m.any(-1))]).to(torch.int64)
-
-
-def _check_count(name: str, n: object) -> None:
-    if n is None:
-        return
-    if isinstance(n, Tensor):
-        if n.numel() != 1 or n.is_complex():
-            raise ValueError(f"`{name}` must be a number or a one-element tensor, got shape {tuple(n.shape)}.")
-        return  # its value is not read here: that would synchronize with the device
-    if isinstance(n, bool) or not isinstance(n, (int, float)) or not n >= 0 or n == float("inf"):
-        raise ValueError(f"`{name}` must be a finite number >= 0 or a tensor, got {n!r}.")
 
 
 def _times(x: Tensor, world_size: int) -> Tensor:

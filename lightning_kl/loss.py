@@ -10,17 +10,17 @@ import torch.distributed
 from torch import Tensor, nn
 
 from lightning_kl.estimators import parse_estimator
-from lightning_kl.functional import (
-    _check_pair,
-    _kl_penalty_compute,
-    aggregate,
-    aggregate_counts,
+from lightning_kl.functional import aggregate, aggregate_counts, check_old_logprob, check_pair, kl_penalty_compute
+from lightning_kl.ground.checks import (
     check_agg_mode,
+    check_full_inputs,
     check_mask,
     check_max_weight,
-    check_old_logprob,
+    check_sampled_temperature,
+    check_temperature,
+    reject_old_logprob,
 )
-from lightning_kl.full import check_full_inputs, check_temperature, full_kl_compute, reject_old_logprob
+from lightning_kl.kernels.full import full_kl_compute
 from lightning_kl.metric import KLMetric
 
 __all__ = ["KLPenaltyLoss"]
@@ -65,7 +65,7 @@ class KLPenaltyLoss(nn.Module):
 
     With ``estimator="full"``, ``forward(logits, ref_logits, mask)`` takes both models' logits
     ``[b, t, V]`` and a ``[b, t]`` mask, and aggregates the exact per-token KL over the vocabulary
-    (:mod:`lightning_kl.full`, chunked: no ``[b, t, V]`` temporaries) exactly as above; the metric
+    (:mod:`lightning_kl.kernels.full`, chunked: no ``[b, t, V]`` temporaries) exactly as above; the metric
     gets those values. ``old_logprob`` is an error there: the exact KL needs no importance weights.
 
     Shapes in ``forward``: ``logprob``, ``ref_logprob`` and ``mask`` are ``[b, t]`` (any shape,
@@ -119,11 +119,8 @@ class KLPenaltyLoss(nn.Module):
         self.global_batch = global_batch
         self.max_weight = check_max_weight(max_weight)
         self.temperature = check_temperature(temperature)
-        if self.spec.base != "full" and self.temperature != 1.0:
-            raise ValueError(
-                f"`temperature` applies to the 'full' estimator (logits) only, got {temperature!r} with "
-                f"{self.spec.name!r}: compute the sampled tokens' log-probs at the sampling temperature instead."
-            )
+        if self.spec.base != "full":
+            check_sampled_temperature(self.temperature, self.spec.name)
         self.metric = KLMetric()
 
     @property
@@ -147,10 +144,10 @@ class KLPenaltyLoss(nn.Module):
             mask = check_full_inputs(logprob, ref_logprob, mask)
             kl = full_kl_compute(logprob, ref_logprob, mask, self.temperature)
         else:
-            _check_pair(logprob, ref_logprob)
+            check_pair(logprob, ref_logprob)
             check_old_logprob(old_logprob, logprob)
             mask = check_mask(mask, logprob, "logprob")
-            kl = _kl_penalty_compute(logprob, ref_logprob, self.spec, mask, old_logprob, self.max_weight)
+            kl = kl_penalty_compute(logprob, ref_logprob, self.spec, mask, old_logprob, self.max_weight)
         self.metric(kl.detach(), mask)
         return self.coef * self._aggregate(kl, mask)
 

@@ -8,14 +8,14 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric
 
-from lightning_kl.functional import _check_floating, check_mask
+from lightning_kl.ground.checks import check_floating, check_mask
 
 __all__ = ["KLMetric"]
 
 
 def _kl_metric_update(values: Tensor, mask: Optional[Tensor]) -> tuple[Tensor, Tensor]:
     """Masked sum (float64) and valid-token count (int64) of a batch of per-token values."""
-    _check_floating("values", values)
+    check_floating("values", values)
     mask = check_mask(mask, values, "values")
     v = values.detach().to(torch.float64)
     if mask is None:

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 import lightning_kl as lk
+from _trainers import make_quiet_trainer
 
 WORLD = 2
 GLOBAL_B = 6  # sequences per global batch
@@ -161,17 +162,8 @@ def fit(root: str, **trainer_kwargs: Any) -> dict[str, Any]:
     """Train :class:`DDPProbe` for ``STEPS`` steps; return this process's record."""
     model = DDPProbe()
     callback = lk.KLRewardCallback("k1", controller=lk.AdaptiveKLController(**CONTROLLER))
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        max_steps=STEPS,
-        callbacks=[callback],
-        default_root_dir=root,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        **trainer_kwargs,
+    trainer = make_quiet_trainer(
+        root, max_steps=STEPS, callbacks=[callback], use_distributed_sampler=False, **trainer_kwargs
     )
     trainer.fit(model)
     return model.record

@@ -134,16 +134,10 @@ class _Moved(toy.ToyRLHF):
         self.start = _params(self.policy)
 
 
-def _trainer(tmp_path: Path, **kwargs) -> pl.Trainer:
-    defaults = dict(accelerator="cpu", default_root_dir=tmp_path, logger=False, enable_progress_bar=False,
-                    enable_checkpointing=False, enable_model_summary=False)
-    return pl.Trainer(**{**defaults, **kwargs})
-
-
 @pytest.mark.parametrize("estimator", lk.ESTIMATORS)
-def test_every_estimator_trains_one_step_in_the_loss(estimator: str, tmp_path: Path, cache_dir: str):
+def test_every_estimator_trains_one_step_in_the_loss(estimator: str, quiet_trainer, cache_dir: str):
     module = _Moved(**TINY_MODEL, cache_dir=cache_dir, kl_estimator=estimator, kl_coef=1.0)
-    trainer = _trainer(tmp_path, fast_dev_run=1)
+    trainer = quiet_trainer(fast_dev_run=1)
     trainer.fit(module, toy.RolloutDataModule(**TINY_DATA, rollouts=1))
     assert module.kl.estimator == estimator
     assert torch.isfinite(trainer.callback_metrics["train/loss"])
@@ -152,10 +146,10 @@ def test_every_estimator_trains_one_step_in_the_loss(estimator: str, tmp_path: P
 
 
 @pytest.mark.parametrize("estimator", lk.SAMPLED_ESTIMATORS)  # `full` needs logits, which the batch lacks
-def test_every_sampled_estimator_trains_one_step_in_the_reward(estimator: str, tmp_path: Path, cache_dir: str):
+def test_every_sampled_estimator_trains_one_step_in_the_reward(estimator: str, quiet_trainer, cache_dir: str):
     module = _Moved(**TINY_MODEL, cache_dir=cache_dir, kl_estimator=None, advantage="rtg", ppo_epochs=2)
     callback = lk.KLRewardCallback(estimator, lk.AdaptiveKLController(0.1, target_kl=1e-6, horizon=100))
-    trainer = _trainer(tmp_path, fast_dev_run=1, callbacks=[callback])
+    trainer = quiet_trainer(fast_dev_run=1, callbacks=[callback])
     trainer.fit(module, toy.RolloutDataModule(**TINY_DATA, rollouts=1))
     assert torch.isfinite(trainer.callback_metrics["train/loss"])
     assert torch.isfinite(trainer.callback_metrics["kl/value"])
@@ -180,12 +174,12 @@ class _OnPolicyCheck(_Moved):
         return super().training_step(batch, batch_idx)
 
 
-def test_each_rollout_is_sampled_by_the_current_policy(tmp_path: Path, cache_dir: str):
+def test_each_rollout_is_sampled_by_the_current_policy(quiet_trainer, cache_dir: str):
     # Lightning prefetches one batch of an iterable without a length: rollout k + 1 would then be
     # sampled before update k, and its logprobs would differ from the policy that trains on it
     module = _OnPolicyCheck(**TINY_MODEL, cache_dir=cache_dir, lr=0.05, ppo_epochs=2)
     module.gaps, module.snapshots = [], []
-    _trainer(tmp_path, max_epochs=1).fit(module, toy.RolloutDataModule(**TINY_DATA, rollouts=3))
+    quiet_trainer(max_epochs=1).fit(module, toy.RolloutDataModule(**TINY_DATA, rollouts=3))
     assert len(module.gaps) == 3
     assert not torch.equal(module.snapshots[0], module.snapshots[1])  # the policy moved between rollouts
     assert max(module.gaps) < 1e-4, module.gaps

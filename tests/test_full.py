@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, Dataset
 
 import lightning_kl as lk
-from lightning_kl.full import full_kl
+from lightning_kl.kernels.full import full_kl
 
 F64 = torch.float64
 
@@ -197,9 +197,9 @@ class _AllocationLog(TorchDispatchMode):
 @pytest.mark.parametrize("ref_grad", [False, True])
 @pytest.mark.parametrize("temperature", [1.0, 0.5])
 def test_forward_and_backward_make_no_tensor_larger_than_a_chunk_but_the_gradients(ref_grad, temperature, monkeypatch):
-    import lightning_kl.full as full_mod
+    import lightning_kl.ground.chunks as chunks_mod
 
-    monkeypatch.setattr(full_mod, "CPU_THREAD_POOL", False)  # a dispatch mode sees this thread's ops only
+    monkeypatch.setattr(chunks_mod, "CPU_THREAD_POOL", False)  # a dispatch mode sees this thread's ops only
     n, vocab, chunk = 24, 40, 3
     z = logits(n, vocab).float().requires_grad_()
     zr = logits(n, vocab, seed=1).float().requires_grad_(ref_grad)
@@ -270,19 +270,19 @@ def test_the_cpu_thread_pool_gives_the_serial_answer_and_leaves_torch_threads_al
     """CPU chunks run on a pool of Python threads when torch has several threads: same maths."""
     import threading
 
-    import lightning_kl.full as full_mod
+    import lightning_kl.ground.chunks as chunks_mod
 
     z64, zr64 = logits(20, 33), logits(20, 33, seed=1)
     mask = torch.arange(20) % 3 != 0
     results = []
     for pooled in (True, False):
-        monkeypatch.setattr(full_mod, "CPU_THREAD_POOL", pooled)
+        monkeypatch.setattr(chunks_mod, "CPU_THREAD_POOL", pooled)
         z, zr = z64.float().requires_grad_(), zr64.float().requires_grad_()
         kl = full_kl(z, zr, mask, temperature=0.9, chunk_size=2)
         kl.sum().backward()
         results.append((kl.detach(), z.grad, zr.grad))
         if pooled and torch.get_num_threads() > 1:
-            assert any(t.name.startswith("lightning_kl.full") for t in threading.enumerate())
+            assert any(t.name.startswith("lightning_kl") for t in threading.enumerate())
     for a, b in zip(*results):
         assert_close(a, b, rtol=1e-6, atol=1e-7)
     want, grad_z, _ = reference(z64[mask], zr64[mask], 0.9)
@@ -295,7 +295,7 @@ def test_the_cpu_thread_pool_gives_the_serial_answer_and_leaves_torch_threads_al
     t.join()
     assert seen == [n]
     # grad mode and inference mode travel into the workers
-    monkeypatch.setattr(full_mod, "CPU_THREAD_POOL", True)
+    monkeypatch.setattr(chunks_mod, "CPU_THREAD_POOL", True)
     with torch.inference_mode():
         kl = full_kl(z64.float(), zr64.float(), chunk_size=2)
     assert_close(kl.double(), reference(z64, zr64)[0], rtol=1e-5, atol=2e-6)
@@ -344,17 +344,9 @@ class _TinyLM(pl.LightningModule):
         return torch.optim.SGD(self.policy.parameters(), lr=0.5)
 
 
-def test_full_in_a_lightning_training_loop(tmp_path):
+def test_full_in_a_lightning_training_loop(quiet_trainer):
     model = _TinyLM()
-    trainer = pl.Trainer(
-        fast_dev_run=6,
-        default_root_dir=tmp_path,
-        logger=False,
-        enable_progress_bar=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        accelerator="cpu",
-    )
+    trainer = quiet_trainer(fast_dev_run=6)
     trainer.fit(model)
     assert len(model.losses) == 6 and all(math.isfinite(x) for x in model.losses)
     # minimizing the exact KL alone pulls the policy toward the reference

@@ -12,9 +12,9 @@ import torch
 from torch.testing import assert_close
 
 import lightning_kl as lk
-from lightning_kl import _fused
+from lightning_kl.kernels import fused as _fused
 from lightning_kl.estimators import parse_estimator
-from lightning_kl.functional import _kl_penalty_compute
+from lightning_kl.functional import kl_penalty_compute
 
 SAMPLED = getattr(lk, "SAMPLED_ESTIMATORS", lk.ESTIMATORS)
 
@@ -52,7 +52,7 @@ def run(name, logprob, ref, mask=None, fused=True, upstream=None, monkeypatch=No
     old = _fused.ENABLED
     _fused.ENABLED = fused
     try:
-        out = _kl_penalty_compute(lp, rf, parse_estimator(name), mask)
+        out = kl_penalty_compute(lp, rf, parse_estimator(name), mask)
     finally:
         _fused.ENABLED = old
     if upstream is None:

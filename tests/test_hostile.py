@@ -167,29 +167,16 @@ class PolicyModule(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def _trainer(tmp_path: Any, **kwargs: Any) -> pl.Trainer:
-    return pl.Trainer(
-        accelerator="cpu",
-        fast_dev_run=True,
-        default_root_dir=tmp_path,
-        logger=False,
-        enable_progress_bar=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        **kwargs,
-    )
-
-
 @pytest.mark.parametrize("name", ["k1", "abs", "k3", "low_var_kl", "k3+"])
-def test_lightning_detect_anomaly_catches_a_nan_reference_logprob(name: str, tmp_path: Any) -> None:
+def test_lightning_detect_anomaly_catches_a_nan_reference_logprob(name: str, quiet_trainer: Any) -> None:
     # the gradients of k1 (1), abs (sign(nan) = 0) and the clamped k3 / low_var_kl (0) ignore a NaN:
     # only the loss's NaN-propagating scale brings it into backward, where anomaly mode sees it
-    _trainer(tmp_path, detect_anomaly=True).fit(PolicyModule(name, nan_at=None))  # clean: trains
+    quiet_trainer(fast_dev_run=True, detect_anomaly=True).fit(PolicyModule(name, nan_at=None))  # clean: trains
     with pytest.raises(RuntimeError, match="returned nan values"):
-        _trainer(tmp_path, detect_anomaly=True).fit(PolicyModule(name, nan_at=(0, 3)))
+        quiet_trainer(fast_dev_run=True, detect_anomaly=True).fit(PolicyModule(name, nan_at=(0, 3)))
 
 
-def test_callback_controller_raises_on_a_nan_valid_token(tmp_path: Any) -> None:
+def test_callback_controller_raises_on_a_nan_valid_token(quiet_trainer: Any) -> None:
     module = PolicyModule("k1", nan_at=None)
     cb = lk.KLRewardCallback("k1", lk.AdaptiveKLController(0.2, target_kl=1.0, horizon=10), ref_logprobs_key="ref_logprobs")
 
@@ -199,7 +186,7 @@ def test_callback_controller_raises_on_a_nan_valid_token(tmp_path: Any) -> None:
             batch["ref_logprobs"][2, 0] = float("nan")  # row 2's only valid token
 
     with pytest.raises(ValueError, match="non-finite KL.*not changed"):
-        _trainer(tmp_path, callbacks=[Poison(), cb]).fit(module)
+        quiet_trainer(fast_dev_run=True, callbacks=[Poison(), cb]).fit(module)
     assert cb.controller.value == 0.2
     with pytest.raises(ValueError, match="non-finite KL"):
         lk.AdaptiveKLController().update(float("inf"), n_steps=4)

@@ -21,6 +21,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import Tensor, nn
 
 import lightning_kl as lk
+from _trainers import make_quiet_trainer
 
 B, T, BATCHES_PER_EPOCH, EPOCHS = 4, 6, 3, 3
 
@@ -81,17 +82,9 @@ def kl_callbacks(init: float = 0.2) -> list[lk.KLRewardCallback]:
 
 
 def make_trainer(root: Path, callbacks: list[Callback], **kwargs: Any) -> pl.Trainer:
-    return pl.Trainer(
-        accelerator="cpu",
-        max_epochs=EPOCHS,
-        callbacks=callbacks,
-        default_root_dir=root,
-        reload_dataloaders_every_n_epochs=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **kwargs,
-    )
+    # the quiet Trainer of conftest.py, with checkpoints unless a test turns them off
+    kwargs = {"enable_checkpointing": True, **kwargs}
+    return make_quiet_trainer(root, max_epochs=EPOCHS, callbacks=callbacks, reload_dataloaders_every_n_epochs=1, **kwargs)
 
 
 @pytest.fixture(scope="module")

@@ -49,27 +49,15 @@ class RecordingBandit(minimal.KLBandit):
         return loss
 
 
-def _trainer(tmp_path, callbacks=(), steps=4):
-    return pl.Trainer(
-        fast_dev_run=steps,
-        accelerator="cpu",
-        default_root_dir=tmp_path,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=list(callbacks),
-    )
-
-
 @pytest.mark.parametrize("estimator", SAMPLED)
-def test_every_estimator_trains_through_the_loss(estimator, tmp_path):
+def test_every_estimator_trains_through_the_loss(estimator, quiet_trainer):
     pl.seed_everything(0)
     model = RecordingBandit(estimator=estimator, kl_coef=1.0, batch_size=8)
     # start away from the reference so that the KL and its gradient are not zero
     with torch.no_grad():
         model.policy.logits.normal_()
     before = model.policy.logits.detach().clone()
-    trainer = _trainer(tmp_path)
+    trainer = quiet_trainer(fast_dev_run=4, enable_checkpointing=True)
     trainer.fit(model)
     assert len(model.losses) == 4
     assert all(torch.isfinite(torch.tensor(model.losses)))
@@ -95,7 +83,7 @@ def test_loss_gradient_in_a_step_is_the_estimators(estimator):
 
 
 @pytest.mark.parametrize("estimator", SAMPLED)
-def test_every_estimator_trains_through_the_callback(estimator, tmp_path):
+def test_every_estimator_trains_through_the_callback(estimator, quiet_trainer):
     pl.seed_everything(0)
     controller = lk.AdaptiveKLController(init_kl_coef=0.5, target_kl=0.01, horizon=100)
     callback = lk.KLRewardCallback(estimator=estimator, controller=controller)
@@ -105,7 +93,7 @@ def test_every_estimator_trains_through_the_callback(estimator, tmp_path):
     coefs = []
     original = callback.update_controller
     callback.update_controller = lambda s, n: (coefs.append(controller.value), original(s, n))[1]
-    _trainer(tmp_path, [callback]).fit(model)
+    quiet_trainer(fast_dev_run=4, enable_checkpointing=True, callbacks=[callback]).fit(model)
     assert len(model.seen) == 4
     for batch, coef in zip(model.seen, coefs):
         # the rewards training_step saw: scores at the last valid token minus beta * kl, 0 on padding
@@ -119,7 +107,7 @@ def test_every_estimator_trains_through_the_callback(estimator, tmp_path):
     assert controller.value > coefs[-1] > coefs[0] == 0.5
 
 
-def test_callback_logs_coef_and_value(tmp_path):
+def test_callback_logs_coef_and_value(quiet_trainer):
     logged = {}
 
     class Spy(pl.Callback):
@@ -130,7 +118,7 @@ def test_callback_logs_coef_and_value(tmp_path):
     model = minimal.KLBandit(batch_size=4)
     with torch.no_grad():
         model.policy.logits.normal_()
-    _trainer(tmp_path, [callback, Spy()], steps=1).fit(model)
+    quiet_trainer(fast_dev_run=1, enable_checkpointing=True, callbacks=[callback, Spy()]).fit(model)
     assert logged["kl/coef"] == 0.25
     assert logged["kl/value"] > 0
     assert "train/kl" in logged
@@ -192,7 +180,7 @@ def test_yaml_bad_estimator_fails_before_training(where, tmp_path, monkeypatch):
     assert _CountingBandit.steps == 0
 
 
-def test_minimal_rollouts_are_on_policy(tmp_path):
+def test_minimal_rollouts_are_on_policy(quiet_trainer):
     """Each batch's behaviour log-probs are the policy's as training_step sees it (no prefetch)."""
     gaps = []
 
@@ -205,6 +193,5 @@ def test_minimal_rollouts_are_on_policy(tmp_path):
 
     model = Checking(batch_size=8, lr=0.5, num_batches=5)
     # a plain run, not fast_dev_run: a limit on the batches would hide Lightning's prefetch
-    pl.Trainer(max_epochs=1, accelerator="cpu", default_root_dir=tmp_path, logger=False,
-               enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False).fit(model)
+    quiet_trainer(max_epochs=1).fit(model)
     assert len(gaps) == 5 and max(gaps) < 1e-6, gaps

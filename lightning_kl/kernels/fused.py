@@ -7,7 +7,7 @@ and keeps several full-size temporaries alive until backward. Here one
 
 * walks the inputs in cache-sized chunks (:data:`CHUNK` elements on CPU), does every step of a chunk
   in place in small scratch buffers that stay in cache, and writes the value once; on CPU the chunks
-  are dealt to ``torch.get_num_threads()`` threads (see :func:`_run` for why not torch's own);
+  are dealt to the package's chunk runner (:mod:`lightning_kl.ground.chunks`: a pool of threads);
 * saves only ``logprob``, ``ref_logprob`` and the mask (tensors the caller holds anyway), and in
   backward recomputes what the gradient needs chunk by chunk, reading the incoming gradient once and
   writing ``grad_logprob`` (and ``grad_ref = -grad_logprob``, only when ``ref_logprob`` requires a
@@ -46,15 +46,13 @@ chunked eager kernels below need neither (``benchmarks/bench_estimators.py --com
 from __future__ import annotations
 
 import itertools
-import os
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 
 from lightning_kl.estimators import K3_CLAMP, LOW_VAR_KL_CLAMP, EstimatorSpec, estimator_value
+from lightning_kl.ground.chunks import run_chunks
 
 __all__ = ["CHUNK", "ENABLED", "FUSED_BASES", "fused_kl_value", "use_fused"]
 
@@ -64,7 +62,7 @@ __all__ = ["CHUNK", "ENABLED", "FUSED_BASES", "fused_kl_value", "use_fused"]
 #: kernel launch per step: the in-place work and the saved-nothing backward still apply).
 CHUNK = 1 << 15
 
-#: Set to False to route :func:`lightning_kl.functional._kl_penalty_compute` through the plain
+#: Set to False to route :func:`lightning_kl.functional.kl_penalty_compute` through the plain
 #: composition (the benchmark and the tests compare both).
 ENABLED = True
 
@@ -219,70 +217,24 @@ def _d_into(out: Tensor, logprob: Tensor, ref_logprob: Tensor) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# the chunk loop, spread over threads
+# the chunk loop: the package's one runner, with per-worker scratch buffers
 
 
 def _run(
     chunks: list, work: Callable[[tuple, list[Tensor]], None], n_scratch: int, like: Tensor, dtype: torch.dtype
 ) -> None:
-    """``work(chunk, scratch)`` for every chunk; on CPU, chunks are dealt to several threads.
+    """``work(chunk, scratch)`` for every chunk, through :func:`~lightning_kl.ground.chunks.run_chunks`.
 
-    On CPU each chunk is small enough (<= 32768 elements: torch's grain) that every op on it runs
-    inline on the calling thread, and the parallelism comes from running chunks on
-    ``torch.get_num_threads()`` Python threads at once (torch releases the GIL inside each op). One
-    barrier per call instead of one per op: a thread descheduled by another process holds up
-    nothing but its own share, where an OpenMP region per op would wait for it every time.
+    Each chunk is small enough (<= 32768 elements on CPU: torch's grain) that every op on it runs
+    inline on its thread; each worker gets its own ``n_scratch`` buffers, shaped like the first
+    (a largest) chunk, and reuses them for all its chunks.
     """
-    shape = chunks[0][0].shape if chunks else (0,)  # the first chunk is a largest one
-    n_workers = min(_n_threads(like), len(chunks))
-    # grad mode and inference mode are per thread: the workers take the caller's (an inference
-    # tensor may only be written in inference mode), and never record the out= ops
-    inference = torch.is_inference_mode_enabled()
+    shape = chunks[0][0].shape if chunks else (0,)
 
     def scratch() -> list[Tensor]:
         return [torch.empty(shape, dtype=dtype, device=like.device) for _ in range(n_scratch)]
 
-    def worker(i: int) -> None:
-        with torch.inference_mode() if inference else torch.no_grad():
-            buffers = scratch()
-            for c in chunks[i::n_workers]:
-                work(c, buffers)
-
-    if n_workers <= 1:
-        worker(0)
-        return
-    futures = [_pool().submit(worker, i) for i in range(1, n_workers)]
-    try:
-        worker(0)  # the calling thread takes a share too
-    finally:
-        for f in futures:
-            f.result()  # wait for every share; re-raises a worker's exception here
-
-
-def _n_threads(like: Tensor) -> int:
-    return torch.get_num_threads() if like.device.type == "cpu" else 1
-
-
-_POOL: Optional[ThreadPoolExecutor] = None
-_POOL_LOCK = threading.Lock()
-
-
-def _pool() -> ThreadPoolExecutor:
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None:
-            _POOL = ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1), thread_name_prefix="lightning_kl")
-        return _POOL
-
-
-def _forget_pool() -> None:
-    # a forked child (a DataLoader worker) inherits the pool object but not its threads
-    global _POOL
-    _POOL = None
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_pool)
+    run_chunks(work, chunks, like.device, scratch)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ backward. Here the work runs over chunks of rows: the forward keeps only the per
 backward recomputes each chunk's log-probabilities from the inputs and writes that chunk of the
 gradient. Beyond the inputs and the gradients, forward and backward hold a few ``chunk x V``
 temporaries (the chunk is sized to stay in cache; on CPU, a few per torch thread: the chunks run
-concurrently on a small pool of threads, see :data:`CPU_THREAD_POOL`) and ``O(n)`` numbers.
+concurrently on the package's chunk runner, :mod:`lightning_kl.ground.chunks`) and ``O(n)`` numbers.
 
 Conventions:
 
@@ -36,88 +36,30 @@ Conventions:
 from __future__ import annotations
 
 import math
-import os
-import threading
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Optional, TypeVar
+from collections.abc import Callable, Iterator
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from lightning_kl.functional import check_matching, compute_dtype
+from lightning_kl.ground.checks import check_full_inputs, check_temperature, compute_dtype
+from lightning_kl.ground.chunks import pool_active, run_chunks
 
-__all__ = ["check_full_inputs", "check_temperature", "full_kl", "full_kl_compute", "reject_old_logprob"]
+__all__ = ["full_kl", "full_kl_compute"]
 
 # Elements per chunk (rows = elements // V). On CPU a chunk's float32 temporaries stay in cache,
 # so only the inputs and the gradients travel through main memory: at 2048 x 32768 on one thread,
 # chunks of 2 ... 64 rows all ran about 3x faster than the plain composition. With several torch
 # threads the chunks are spread over a pool of Python threads that each run single-threaded ops
-# (CPU_THREAD_POOL, below), 2^19 elements (2 MiB per float32 buffer) per chunk and thread. Without
-# the pool each chunk would be a dozen short *parallel* ops, and each of those waits for its slowest
-# intra-op thread: on cores shared with other busy processes that wait made it several times
-# slower than the composition; the pool's threads wait for nobody. On GPU a chunk only has to be
+# (lightning_kl.ground.chunks), 2^19 elements (2 MiB per float32 buffer) per chunk and thread. Without
+# the pool (CPU_THREAD_POOL = False there) each chunk is a dozen short *parallel* ops, so chunks are
+# larger. On GPU a chunk only has to be
 # large enough to fill the device: 2^25 elements, 128 MiB per float32 buffer.
 CPU_CHUNK_ELEMENTS = 2**19
 CPU_SERIAL_CHUNK_ELEMENTS = 2**20  # CPU without the pool: fewer, larger parallel ops
 CUDA_CHUNK_ELEMENTS = 2**25
 
-#: Run CPU chunks on a pool of ``torch.get_num_threads()`` Python threads with single-threaded ops
-#: (torch releases the GIL inside ops). Only with torch's OpenMP backend; set False to run every
-#: chunk in the calling thread with torch's intra-op parallelism instead.
-CPU_THREAD_POOL = True
-
-
-def reject_old_logprob(old_logprob: Any) -> None:
-    """``full`` takes no ``old_logprob``: raise ``ValueError`` if one is given.
-
-    The exact KL sums over the whole vocabulary under the current policy; importance weights only
-    correct the sampling distribution of sampled tokens.
-    """
-    if old_logprob is not None:
-        raise ValueError(
-            "`old_logprob` does not apply to the 'full' estimator: it sums over the whole vocabulary under "
-            "the current policy, so it needs no importance weights (they correct sampled tokens drawn by an "
-            "older policy). Drop `old_logprob`, or use a sampled estimator."
-        )
-
-
-def check_temperature(temperature: Any) -> float:
-    """Validate a sampling temperature: a finite number > 0. Returns it as a float."""
-    if (
-        isinstance(temperature, bool)
-        or not isinstance(temperature, (int, float))
-        or not math.isfinite(temperature)
-        or temperature <= 0
-    ):
-        raise ValueError(f"`temperature` must be a finite number > 0, got {temperature!r}.")
-    return float(temperature)
-
-
-def check_full_inputs(logits: Any, ref_logits: Any, mask: Optional[Tensor]) -> Optional[Tensor]:
-    """Check ``logits``, ``ref_logits`` ``[..., V]`` and ``mask`` ``[...]``; return the mask as bool.
-
-    Raises:
-        TypeError: for inputs that are not floating point tensors, or a mask that is not a tensor.
-        ValueError: for shapes or devices that do not match (both are named).
-    """
-    check_matching("logits", logits, "ref_logits", ref_logits)
-    assert isinstance(logits, Tensor)
-    if logits.ndim == 0:
-        raise ValueError("'full' takes logits `[..., V]` with a vocabulary dimension, got a scalar.")
-    if mask is None:
-        return None
-    if not isinstance(mask, Tensor):
-        raise TypeError(f"`mask` must be a torch.Tensor or None, got {type(mask).__name__}.")
-    if mask.shape != logits.shape[:-1]:
-        raise ValueError(
-            "`mask` must have the shape of `logits` without the vocabulary dimension: got mask "
-            f"{tuple(mask.shape)} and logits {tuple(logits.shape)} (expected mask {tuple(logits.shape[:-1])})."
-        )
-    if mask.device != logits.device:
-        raise ValueError(f"`mask` is on {mask.device} but `logits` is on {logits.device}.")
-    return mask if mask.dtype == torch.bool else mask != 0
 
 
 def full_kl(
@@ -271,74 +213,9 @@ def _chunk_grads(
     return grad_z, grad_ref
 
 
-# ---------------------------------------------------------------------------------------------
-# running the chunks: on CPU, a pool of Python threads with single-threaded ops
-#
-# torch sets OpenMP's thread count per thread: a worker that calls set_num_threads(1) runs its
-# ops serially, and only the process-wide default (read by threads that start later) has to be
-# put back, once, when the pool starts. Chunks then run concurrently, each on one core, and a
-# worker that the OS preempts delays its own chunk only, instead of every op of every chunk.
-
-_T = TypeVar("_T")
-_pool_lock = threading.Lock()
-_pool: Optional[tuple[int, int, ThreadPoolExecutor]] = None  # (pid, threads, executor)
-_in_worker = threading.local()
-_OPENMP: Optional[bool] = None
-
-
-def _openmp_backend() -> bool:
-    global _OPENMP
-    if _OPENMP is None:
-        _OPENMP = "ATen parallel backend: OpenMP" in torch.__config__.parallel_info()
-    return _OPENMP
-
-
-def _init_worker() -> None:
-    _in_worker.active = True
-    torch.get_num_threads()  # this thread's lazy OpenMP set-up first, so that the next line sticks
-    torch.set_num_threads(1)  # this thread's OpenMP and MKL settings (and, for now, the global default)
-
-
-def _cpu_pool(device: torch.device, n_tasks: int) -> Optional[ThreadPoolExecutor]:
-    """The pool for CPU chunks, or None to run them in this thread."""
-    if not (CPU_THREAD_POOL and device.type == "cpu" and n_tasks > 1 and _openmp_backend()):
-        return None
-    if getattr(_in_worker, "active", False):
-        return None
-    n = torch.get_num_threads()
-    if n < 2:
-        return None
-    global _pool
-    with _pool_lock:
-        if _pool is None or _pool[0] != os.getpid() or _pool[1] != n:
-            if _pool is not None and _pool[0] == os.getpid():
-                _pool[2].shutdown(wait=False)
-            executor = ThreadPoolExecutor(max_workers=n, thread_name_prefix="lightning_kl.full", initializer=_init_worker)
-            # start every worker now (each task waits until all n run, so each has its own thread),
-            # then restore the process-wide default that the workers' set_num_threads(1) changed
-            barrier = threading.Barrier(n)
-            list(executor.map(lambda _: barrier.wait(), range(n)))
-            torch.set_num_threads(n)
-            _pool = (os.getpid(), n, executor)
-        return _pool[2]
-
-
-def _for_each(fn: Callable[[_T], None], items: Sequence[_T], device: torch.device) -> None:
-    """``fn(item)`` for every item: on the CPU pool when there is one, else in order, here."""
-    pool = _cpu_pool(device, len(items))
-    if pool is None:
-        for item in items:
-            fn(item)
-        return
-    # grad mode and inference mode are per thread: carry this thread's into the workers
-    grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
-
-    def run(item: _T) -> None:
-        with torch.inference_mode(inference), torch.set_grad_enabled(grad):
-            fn(item)
-
-    for future in [pool.submit(run, item) for item in items]:
-        future.result()  # re-raises a worker's exception here
+def _for_each(fn: Callable[[Any], None], items: list, device: torch.device) -> None:
+    """``fn(item)`` for every chunk, through the package's chunk runner."""
+    run_chunks(lambda item, _state: fn(item), items, device)
 
 
 class _FullKL(torch.autograd.Function):
@@ -442,8 +319,7 @@ class _FullKL(torch.autograd.Function):
 def _chunk_elements(device: torch.device) -> int:
     if device.type != "cpu":
         return CUDA_CHUNK_ELEMENTS
-    pooled = CPU_THREAD_POOL and torch.get_num_threads() > 1 and _openmp_backend()
-    return CPU_CHUNK_ELEMENTS if pooled else CPU_SERIAL_CHUNK_ELEMENTS
+    return CPU_CHUNK_ELEMENTS if pool_active(device) else CPU_SERIAL_CHUNK_ELEMENTS
 
 
 def _new_grad(x: Tensor, mask_flat: Optional[Tensor], rows: Optional[Tensor]) -> Tensor:

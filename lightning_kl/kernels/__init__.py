@@ -1,0 +1,6 @@
+"""The kernels: chunked :class:`torch.autograd.Function` implementations behind the public functions.
+
+:mod:`.fused` (every sampled-token estimator in one pass each way), :mod:`.full` (the exact KL over the
+vocabulary). They build on :mod:`lightning_kl.ground` and on the estimator maths, never on the public
+functions or the shells above them.
+"""
