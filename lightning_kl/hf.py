@@ -44,13 +44,8 @@ __all__ = [
 
 
 def _token_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> Tensor:
-    # the library's lean kernel (lk.token_logprobs) when present; until then the plain composition,
-    # same signature and result (float32, or float64 for float64 logits)
-    import lightning_kl
-
-    fn = getattr(lightning_kl, "token_logprobs", None)
-    if fn is not None:
-        return fn(logits, tokens, temperature=temperature)
+    # stand-in for lk.token_logprobs (issue 12) until it lands: the plain composition, same result
+    # (float32, or float64 for float64 logits); the one place to switch to the lean kernel
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     logp = torch.log_softmax(logits.to(dtype) / temperature, dim=-1)
     return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
@@ -95,8 +90,8 @@ def response_logits(logits: Tensor, prompt_length: int) -> Tensor:
 
 
 def _eos_hits(responses: Tensor, eos_token_id: Union[int, Sequence[int]]) -> Tensor:
-    ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
-    if not ids or any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
+    ids = [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
+    if not isinstance(ids, (list, tuple)) or not ids or any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
         raise ValueError(f"`eos_token_id` must be an int or a non-empty list of ints, got {eos_token_id!r}.")
     return torch.isin(responses, torch.tensor(ids, device=responses.device))
 
