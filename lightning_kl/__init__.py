@@ -3,6 +3,7 @@
 from lightning_kl.callback import KLRewardCallback
 from lightning_kl.controllers import AdaptiveKLController, FixedKLController, KLController
 from lightning_kl.estimators import BASE_ESTIMATORS, ESTIMATORS, SAMPLED_ESTIMATORS, EstimatorSpec, parse_estimator
+from lightning_kl import hf  # imports neither transformers nor peft
 from lightning_kl.functional import AGG_MODES, aggregate, kl_penalty
 from lightning_kl.kernels.full import full_kl
 from lightning_kl.loss import KLPenaltyLoss
@@ -24,6 +25,7 @@ __all__ = [
     "SAMPLED_ESTIMATORS",
     "aggregate",
     "full_kl",
+    "hf",
     "kl_penalty",
     "parse_estimator",
 ]

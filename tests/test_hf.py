@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import copy
 
+import lightning.pytorch as pl
+
 import pytest
 import torch
 from torch.testing import assert_close
@@ -310,3 +312,131 @@ def test_adapters_of_the_transformers_peft_integration_are_switched_through_its_
 def test_a_model_without_adapters_is_refused():
     with pytest.raises(TypeError, match="Qwen2ForCausalLM has no adapters to disable"):
         hf.reference_logprobs(_tiny(), torch.zeros(1, 4, dtype=torch.long), torch.ones(1, 4), 2)
+
+
+def test_the_package_does_not_import_transformers_or_peft_for_hf():
+    # `import lightning_kl` must work without the `hf` extra: lightning_kl/hf.py imports neither
+    tree = ast.parse(Path(hf.__file__).read_text())
+    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert not imported & {"transformers", "peft", "tokenizers"}
+
+
+# --- the example: examples/hf_grpo.py through Lightning -----------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "examples" / "configs" / "hf_grpo_lora.yaml"
+_worker_spec = importlib.util.spec_from_file_location("_hf_ddp_worker", Path(__file__).with_name("_hf_ddp_worker.py"))
+ddp_worker = importlib.util.module_from_spec(_worker_spec)
+_worker_spec.loader.exec_module(ddp_worker)
+ex = ddp_worker.load_example()
+TINY_ARGS = [f"--model.{k}={v}" for k, v in ddp_worker.TINY_MODEL.items()] + [
+    f"--data.{k}={v}" for k, v in ddp_worker.TINY_DATA.items()
+]
+QUIET_CLI = ["--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false", "--trainer.logger=false"]
+
+
+@pytest.fixture
+def one_thread(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["hf_grpo.py"])  # LightningCLI reads args=, not pytest's argv
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: a second thread only spin-waits on shared cores
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.filterwarnings("ignore:Your `IterableDataset` has `__len__` defined")
+def test_example_config_runs_on_policy_and_trains_only_the_adapters(tmp_path, one_thread):
+    seen = {}
+
+    class OnPolicy(pl.Callback):
+        # recompute the batch's log-probs with the policy as training_step will see it: equal only
+        # if the rollout was sampled after the previous optimizer step (no prefetch)
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            seq, am, mask = batch["sequences"], batch["attention_mask"], batch["mask"]
+            with torch.no_grad():
+                now = hf.response_logprobs(module.policy, seq, am, seq.shape[1] - mask.shape[1])
+            seen.setdefault("gap", []).append(float((now - batch["logprobs"])[mask].abs().max()))
+            seen.setdefault("batches", []).append({k: v for k, v in batch.items()})
+
+    cli = ex.main(["--config", str(CONFIG), *TINY_ARGS, *QUIET_CLI, f"--model.cache_dir={tmp_path}",
+                   f"--trainer.default_root_dir={tmp_path}", "--trainer.fast_dev_run=3"], run=False)
+    cli.trainer.callbacks.append(OnPolicy())
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    module = cli.model
+    assert cli.trainer.global_step == 3 and len(seen["gap"]) == 3
+    assert max(seen["gap"]) < 1e-5, seen["gap"]
+
+    first = seen["batches"][0]
+    seq, mask = first["sequences"], first["mask"]
+    p = seq.shape[1] - mask.shape[1]
+    assert_close(mask, hf.response_mask(seq[:, p:], ex.EOS_ID), rtol=0, atol=0)
+    # adapters start as a no-op (lora_B = 0): the first rollout's policy is the reference, exactly
+    assert_close(first["logprobs"], first["ref_logprobs"], rtol=0, atol=0)
+    assert first["true_kl"].abs().max() < 1e-6
+    assert len({int(g) for g in first["group"]}) == ddp_worker.TINY_DATA["prompts_per_rollout"]
+    # the reference is still the pretrained model: only the adapters trained
+    state = torch.load(module.reference_path, map_location="cpu", weights_only=True)
+    for name, param in module.policy.named_parameters():
+        if "lora_" in name:
+            assert param.requires_grad
+        else:
+            key = name.replace("base_model.model.", "").replace("base_layer.", "")
+            assert not param.requires_grad and torch.equal(param.detach(), state[key]), name
+    assert any(p.abs().sum() > 0 for n, p in module.policy.named_parameters() if "lora_B" in n)
+    assert 0.0 <= module.ref_acc <= 1.0
+    assert module.memory["reference_adapters_off"] == 0
+    assert module.memory["reference_as_a_copy"] == module.memory["base"] > module.memory["adapters"] > 0
+
+
+def test_example_rejects_a_bad_estimator_when_the_config_is_parsed(tmp_path, one_thread):
+    with pytest.raises((SystemExit, ValueError)):
+        ex.main(["--config", str(CONFIG), *QUIET_CLI, "--model.kl_estimator=k4", f"--model.cache_dir={tmp_path}"],
+                run=False)
+
+
+def test_score_is_exact_match_before_the_first_eos():
+    tok = ex.build_tokenizer()
+    ids = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    E = ex.EOS_ID
+    responses = torch.tensor([ids("12") + [E], ids("1") + [E, E], ids("123"), ids("21") + [E], [E, E, E]])
+    mask = hf.response_mask(responses, E)
+    problems = [(5, 7), (0, 1), (60, 63), (5, 7), (0, 0)]
+    # right; right and shorter; no EOS (cut off); wrong digits; empty answer
+    assert ex.score(tok, responses, mask, problems).tolist() == [1.0, 1.0, 0.0, 0.0, 0.0]
+
+
+def test_group_advantages_by_hand():
+    returns = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0])
+    group = torch.tensor([0, 0, 0, 0, 1, 1])
+    # group 0: mean 1/4, std sqrt(3)/4 -> (3/4) / (sqrt(3)/4) = sqrt(3), (-1/4) / (sqrt(3)/4) = -1/sqrt(3)
+    s3 = 3 ** 0.5
+    assert_close(ex.group_advantages(returns, group, eps=0.0)[:4], torch.tensor([s3, -1 / s3, -1 / s3, -1 / s3]))
+    assert ex.group_advantages(returns, group)[4:].tolist() == [0.0, 0.0]  # all equal: nothing to learn
+
+
+def test_two_ddp_processes_train_the_same_adapters_on_different_rollouts(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    for var in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"):
+        env.pop(var, None)  # let Lightning choose a free port and launch rank 1 itself
+    try:
+        proc = subprocess.run([sys.executable, str(Path(ddp_worker.__file__)), str(tmp_path)], env=env,
+                              capture_output=True, text=True, timeout=180)
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"the 2-process DDP run did not finish in {err.timeout} s:\n{err.stderr}")
+    records = []
+    for rank in range(ddp_worker.WORLD):
+        path = tmp_path / f"rank{rank}.json"
+        assert proc.returncode == 0 and path.exists(), (
+            f"DDP worker failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        )
+        records.append(json.loads(path.read_text()))
+    r0, r1 = records
+    assert [r0["rank"], r1["rank"]] == [0, 1] and r0["world_size"] == r1["world_size"] == 2
+    assert r0["first_sequences"] != r1["first_sequences"]  # each rank sampled its own prompts
+    assert r0["adapters"] == r1["adapters"]  # bitwise: DDP averaged the adapters' gradients
+    assert r0["adapters_b_nonzero"] and r1["adapters_b_nonzero"]  # and they trained
+    assert r0["base_equal_reference"] and r1["base_equal_reference"]  # the reference did not move
+    assert r0["ref_acc"] == r1["ref_acc"]  # reduced across ranks
+    assert r0["coef"] == r1["coef"] != 0.2  # KLRewardCallback agreed on beta and moved it
