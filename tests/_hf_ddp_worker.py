@@ -1,10 +1,10 @@
 """The Hugging Face GRPO example (examples/hf_grpo.py) for a few steps as 2 DDP processes (CPU, gloo).
 
-``python tests/_hf_ddp_worker.py OUT_DIR`` runs ``Trainer(accelerator="cpu", devices=2, strategy="ddp")``
+``python tests/_hf_ddp_worker.py OUT_DIR CACHE_DIR`` runs ``Trainer(accelerator="cpu", devices=2, strategy="ddp")``
 on the example's ``HFGRPO`` module and ``ArithmeticDataModule`` at tiny sizes, with a
 ``KLRewardCallback`` in the Trainer, and each rank writes ``OUT_DIR/rank{r}.json``:
-its LoRA adapter weights and its base weights after training, the pretrained reference it started
-from (as a checksum), its first rollout's sequences, its reference accuracy and the callback's
+its LoRA adapter weights after training, whether its base weights still equal the pretrained
+reference (cached in CACHE_DIR), its first rollout's sequences, its reference accuracy and the callback's
 coefficient. ``tests/test_hf.py`` runs it in a subprocess with a timeout and compares the ranks.
 """
 
@@ -29,9 +29,11 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "hf_grpo.py"
 WORLD = 2
 STEPS = 2
 TINY_MODEL = dict(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32,
-                  pretrain_steps=3, pretrain_batch_size=8, lora_r=2, lora_alpha=4, lr=0.05,
+                  pretrain_steps=40, pretrain_batch_size=16, pretrain_lr=0.03, lora_r=2, lora_alpha=4, lr=0.05,
                   kl_estimator="k3+", kl_coef=0.1)
-TINY_DATA = dict(max_operand=5, max_new_tokens=3, prompts_per_rollout=2, group_size=3, rollouts=STEPS,
+# operands 0 and 1: 40 pretraining steps make a reference that is right about a quarter of the time,
+# so that the groups' rewards differ and the adapters get a gradient at the first step
+TINY_DATA = dict(max_operand=2, max_new_tokens=3, prompts_per_rollout=2, group_size=4, rollouts=STEPS,
                  reference_samples=8)
 
 
@@ -47,12 +49,12 @@ def _flat(params: list[torch.Tensor]) -> list[float]:
     return torch.cat([p.detach().flatten() for p in params]).tolist() if params else []
 
 
-def main(out_dir: str) -> None:
+def main(out_dir: str, cache_dir: str) -> None:
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     ex = load_example()
     torch.manual_seed(0)
-    model = ex.HFGRPO(cache_dir=os.path.join(out_dir, "reference"), **TINY_MODEL)
+    model = ex.HFGRPO(cache_dir=cache_dir, **TINY_MODEL)
     dm = ex.ArithmeticDataModule(**TINY_DATA)
     record: dict[str, Any] = {}
 
@@ -86,4 +88,4 @@ def main(out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2])

@@ -8,10 +8,16 @@ EOS mask that stops at the last EOS, or adapters left on fails one of them.
 
 from __future__ import annotations
 
+import ast
 import copy
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import lightning.pytorch as pl
-
 import pytest
 import torch
 from torch.testing import assert_close
@@ -336,6 +342,12 @@ TINY_ARGS = [f"--model.{k}={v}" for k, v in ddp_worker.TINY_MODEL.items()] + [
 QUIET_CLI = ["--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false", "--trainer.logger=false"]
 
 
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> str:
+    # one tiny reference for the module: the cache is keyed by config, so later tests load it
+    return str(tmp_path_factory.mktemp("reference"))
+
+
 @pytest.fixture
 def one_thread(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["hf_grpo.py"])  # LightningCLI reads args=, not pytest's argv
@@ -346,7 +358,7 @@ def one_thread(monkeypatch):
 
 
 @pytest.mark.filterwarnings("ignore:Your `IterableDataset` has `__len__` defined")
-def test_example_config_runs_on_policy_and_trains_only_the_adapters(tmp_path, one_thread):
+def test_example_config_runs_on_policy_and_trains_only_the_adapters(tmp_path, cache_dir, one_thread):
     seen = {}
 
     class OnPolicy(pl.Callback):
@@ -359,8 +371,8 @@ def test_example_config_runs_on_policy_and_trains_only_the_adapters(tmp_path, on
             seen.setdefault("gap", []).append(float((now - batch["logprobs"])[mask].abs().max()))
             seen.setdefault("batches", []).append({k: v for k, v in batch.items()})
 
-    cli = ex.main(["--config", str(CONFIG), *TINY_ARGS, *QUIET_CLI, f"--model.cache_dir={tmp_path}",
-                   f"--trainer.default_root_dir={tmp_path}", "--trainer.fast_dev_run=3"], run=False)
+    cli = ex.main(["--config", str(CONFIG), *TINY_ARGS, *QUIET_CLI, f"--model.cache_dir={cache_dir}",
+                   f"--trainer.default_root_dir={tmp_path}", "--trainer.fast_dev_run=3", "--data.rollouts=3"], run=False)
     cli.trainer.callbacks.append(OnPolicy())
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     module = cli.model
@@ -415,13 +427,13 @@ def test_group_advantages_by_hand():
     assert ex.group_advantages(returns, group)[4:].tolist() == [0.0, 0.0]  # all equal: nothing to learn
 
 
-def test_two_ddp_processes_train_the_same_adapters_on_different_rollouts(tmp_path):
+def test_two_ddp_processes_train_the_same_adapters_on_different_rollouts(tmp_path, cache_dir):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     for var in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"):
         env.pop(var, None)  # let Lightning choose a free port and launch rank 1 itself
     try:
-        proc = subprocess.run([sys.executable, str(Path(ddp_worker.__file__)), str(tmp_path)], env=env,
+        proc = subprocess.run([sys.executable, str(Path(ddp_worker.__file__)), str(tmp_path), cache_dir], env=env,
                               capture_output=True, text=True, timeout=180)
     except subprocess.TimeoutExpired as err:
         pytest.fail(f"the 2-process DDP run did not finish in {err.timeout} s:\n{err.stderr}")
