@@ -19,7 +19,7 @@ With the contrast run ``hf_grpo_lora_kl0`` (same config, ``kl_coef: 0``) present
 3. **KL term**: the KL run ends (last quarter) with a smaller exact KL than the ``kl_coef: 0`` run.
 
 Prints a table and one line per claim; exits 1 if a claim fails or the main run is missing.
-Needs only the standard library.
+Needs only the standard library; ``--plot FILE.png`` (matplotlib) draws the runs side by side.
 """
 
 from __future__ import annotations
@@ -69,7 +69,33 @@ def summarize(log_dir: Path, seconds: float) -> dict:
         "acc": last_quarter_mean([r["train/acc"] for r in within]),
         "kl": last_quarter_mean([r["train/kl_seq"] for r in within]),
         "kl_max": max(r["train/kl_seq"] for r in within),
+        "rows": rows,
     }
+
+
+def plot_runs(runs: dict[str, dict], out: Path) -> None:
+    """Accuracy and exact KL per response against the seconds of RL, every run in both panels."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for name, r in runs.items():
+        secs = [row["train/elapsed_s"] for row in r["rows"]]
+        axes[0].plot(secs, [row["train/acc"] for row in r["rows"]], label=name, alpha=0.85)
+        axes[1].plot(secs, [row["train/kl_seq"] for row in r["rows"]], label=name, alpha=0.85)
+    ref = next(iter(runs.values()))["ref_acc"]
+    axes[0].axhline(ref, color="gray", ls="--", label="reference (adapters off)")
+    axes[0].set_ylim(0, 1)
+    axes[0].set_title("accuracy of sampled answers")
+    axes[1].set_title("exact KL(policy || reference) per response, nats")
+    for ax in axes:
+        ax.set_xlabel("seconds of RL")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -78,6 +104,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--seconds", type=float, default=180.0, help="RL time budget (s)")
     parser.add_argument("--gain", type=float, default=0.2, help="accuracy gain over the reference")
     parser.add_argument("--max-kl", type=float, default=2.0, help="bound on the exact KL per response (nats)")
+    parser.add_argument("--plot", type=Path, default=None, help="write a PNG of the runs here (needs matplotlib)")
     args = parser.parse_args(argv)
 
     runs, failures = {}, []
@@ -115,6 +142,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                   f"KL term  {MAIN}: KL {r['kl']:.3f} < {contrast['kl']:.3f} of {CONTRAST} (kl_coef 0)")
         else:
             print(f"(no {CONTRAST} run: the KL-term contrast is not checked)")
+    if args.plot is not None and runs:
+        plot_runs(runs, args.plot)
+        print(f"plot: {args.plot}")
     print(f"\n{'all claims hold' if not failures else f'{len(failures)} claim(s) failed'}")
     return 1 if failures else 0
 
