@@ -452,3 +452,53 @@ def test_two_ddp_processes_train_the_same_adapters_on_different_rollouts(tmp_pat
     assert r0["base_equal_reference"] and r1["base_equal_reference"]  # the reference did not move
     assert r0["ref_acc"] == r1["ref_acc"]  # reduced across ranks
     assert r0["coef"] == r1["coef"] != 0.2  # KLRewardCallback agreed on beta and moved it
+
+
+def test_the_readme_rollout_and_training_step_run_and_train_the_adapters():
+    # the code a user copies from README.md "With Hugging Face models", on a tiny Qwen2 model
+    import re
+
+    section = (ROOT / "README.md").read_text().split("## With Hugging Face models")[1].split("\n## ")[0]
+    namespace: dict = {}
+    exec(re.findall(r"```python\n(.*?)```", section, re.S)[0], namespace)
+    grpo = namespace["GRPO"](ex.build_model("qwen2", 16, 1, 2, 1, 32, 16), kl_coef=0.5)
+    grpo.log = lambda *args, **kwargs: None  # no Trainer attached
+    tok = ex.build_tokenizer()
+    torch.manual_seed(0)
+    batch = namespace["rollout"](grpo.policy, tok, ["<bos>1+2=", "<bos>11+3="], 3, 4)
+    assert batch["attention_mask"].shape == batch["sequences"].shape
+    assert_close(batch["logprobs"], batch["ref_logprobs"], rtol=0, atol=0)  # lora_B = 0 at the start
+    batch["scores"] = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0])
+    grpo.training_step(batch, 0).backward()
+    grads = {n: p.grad for n, p in grpo.policy.named_parameters() if p.grad is not None}
+    assert grads and all("lora_B" in n or "lora_A" in n for n in grads)
+    assert any(g.abs().sum() > 0 for n, g in grads.items() if "lora_B" in n)
+
+
+def _write_run(root: Path, name: str, acc: list[float], kl: list[float], step_s: float) -> None:
+    run = root / name / "version_0"
+    run.mkdir(parents=True)
+    lines = ["epoch,step,train/acc,train/kl_seq,train/ref_acc,train/elapsed_s"]
+    lines += [f"0,{i},{a},{k},0.4,{(i + 1) * step_s}" for i, (a, k) in enumerate(zip(acc, kl))]
+    (run / "metrics.csv").write_text("\n".join(lines) + "\n")
+
+
+def test_check_script_passes_a_run_that_did_what_it_claims_and_fails_one_that_did_not(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("check_hf_grpo", ROOT / "examples" / "check_hf_grpo.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    # 8 rollouts of 30 s: only the first 6 are within 180 s; the last quarter of 6 is the 6th (0.7)
+    good, late = tmp_path / "good", tmp_path / "late"
+    _write_run(good, "hf_grpo_lora", [0.4, 0.5, 0.6, 0.6, 0.6, 0.7, 0.0, 0.0], [0.0, 0.2] + [0.4] * 6, 30.0)
+    _write_run(good, "hf_grpo_lora_kl0", [0.4] * 8, [0.0] + [0.9] * 7, 30.0)
+    assert check.main([str(good)]) == 0
+    out = capsys.readouterr().out
+    assert "PASS  accuracy hf_grpo_lora: 0.700 >= reference 0.400 + 0.2 within 180 s" in out
+    assert "PASS  KL term" in out
+    # the gain comes only after 180 s, the KL exceeds the bound, and the KL term did not help
+    _write_run(late, "hf_grpo_lora", [0.4] * 6 + [0.9, 0.9], [0.0] + [2.5] * 7, 30.0)
+    _write_run(late, "hf_grpo_lora_kl0", [0.4] * 8, [0.0] + [0.9] * 7, 30.0)
+    assert check.main([str(late)]) == 1
+    out = capsys.readouterr().out
+    assert out.count("FAIL") == 3 and "3 claim(s) failed" in out
+    assert check.main([str(tmp_path / "nothing")]) == 1
