@@ -33,7 +33,6 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
-import math
 import os
 import time
 import warnings
@@ -85,7 +84,7 @@ def prompt_text(a: int, b: int) -> str:
 
 
 def corpus_lines(n: int, max_operand: int, p_correct: float, generator: torch.Generator) -> list[str]:
-    """Pretraining lines ``<bos>a+b=s<eos>``: ``s = a + b`` with probability ``p_correct``, else a copy of ``a`` or ``b``."""
+    """Pretraining lines ``<bos>a+b=s<eos>``: ``s = a + b`` with probability ``p_correct``, else ``a`` or ``b``."""
     problems = sample_problems(n, max_operand, generator)
     correct = (torch.rand(n, generator=generator) < p_correct).tolist()
     first = (torch.rand(n, generator=generator) < 0.5).tolist()
@@ -290,7 +289,7 @@ class ArithmeticDataModule(pl.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         module = self.trainer.lightning_module if self.trainer is not None else None
         if not isinstance(module, HFGRPO):
-            raise RuntimeError("ArithmeticDataModule samples from the policy of an HFGRPO module attached to the Trainer.")
+            raise RuntimeError("ArithmeticDataModule samples from the policy of the HFGRPO module of its Trainer.")
         # batch_size=None: the dataset yields whole batches; num_workers=0: rollouts must see the
         # policy's current weights, which live in this process
         return DataLoader(RolloutDataset(self, module, self.hparams.rollouts), batch_size=None, num_workers=0)
@@ -392,7 +391,9 @@ class HFGRPO(pl.LightningModule):
             opt.step()
             sched.step()
             if (step + 1) % max(h.pretrain_steps // 4, 1) == 0:
-                rank_zero_info(f"[hf_grpo] pretraining the reference: step {step + 1}/{h.pretrain_steps}, loss {loss.item():.3f}")
+                rank_zero_info(
+                    f"[hf_grpo] pretraining the reference: step {step + 1}/{h.pretrain_steps}, loss {loss.item():.3f}"
+                )
         return {k: v.detach().cpu() for k, v in model.state_dict().items()}
 
     def setup(self, stage: str) -> None:

@@ -358,7 +358,8 @@ def one_thread(monkeypatch):
 
 
 @pytest.mark.filterwarnings("ignore:Your `IterableDataset` has `__len__` defined")
-def test_example_config_runs_on_policy_and_trains_only_the_adapters(tmp_path, cache_dir, one_thread):
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_example_config_runs_on_policy_and_trains_only_the_adapters(tmp_path, cache_dir, one_thread, arch):
     seen = {}
 
     class OnPolicy(pl.Callback):
@@ -372,10 +373,13 @@ def test_example_config_runs_on_policy_and_trains_only_the_adapters(tmp_path, ca
             seen.setdefault("batches", []).append({k: v for k, v in batch.items()})
 
     cli = ex.main(["--config", str(CONFIG), *TINY_ARGS, *QUIET_CLI, f"--model.cache_dir={cache_dir}",
-                   f"--trainer.default_root_dir={tmp_path}", "--trainer.fast_dev_run=3", "--data.rollouts=3"], run=False)
+                   f"--trainer.default_root_dir={tmp_path}", "--trainer.fast_dev_run=3", "--data.rollouts=3",
+                   f"--model.arch={arch}"], run=False)
     cli.trainer.callbacks.append(OnPolicy())
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     module = cli.model
+    expected_class = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}[arch]
+    assert type(module.policy.get_base_model()).__name__ == expected_class
     assert cli.trainer.global_step == 3 and len(seen["gap"]) == 3
     assert max(seen["gap"]) < 1e-5, seen["gap"]
 
