@@ -180,7 +180,9 @@ def response_logprobs(
     positions go through the LM head when the model takes ``logits_to_keep`` (recent
     ``transformers``). Log-probs come from :func:`lightning_kl.token_logprobs`: float32 for
     bf16/fp16 models, float64 for float64 ones. Positions after EOS hold the log-probs of padding
-    tokens: mask them with :func:`response_mask`.
+    tokens: mask them with :func:`response_mask`. The model's mode is left as it is: in train mode,
+    dropout (``lora_dropout`` too) makes the log-probs random, so score rollouts in eval mode, as
+    ``generate`` samples them.
 
     Shapes: ``sequences [b, p + t]``, ``attention_mask [b, p + t]`` -> ``[b, t]`` (and the response
     logits ``[b, t, V]``, a view of the model's output, with ``return_logits=True``).
