@@ -234,17 +234,8 @@ class AccumProbe(pl.LightningModule):
 def fit_accumulation(root: str, **trainer_kwargs: Any) -> dict[str, Any]:
     """One optimizer step of :class:`AccumProbe` over ``ACCUM`` micro-batches per rank."""
     model = AccumProbe()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        max_epochs=1,
-        accumulate_grad_batches=ACCUM,
-        default_root_dir=root,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        **trainer_kwargs,
+    trainer = make_quiet_trainer(
+        root, max_epochs=1, accumulate_grad_batches=ACCUM, use_distributed_sampler=False, **trainer_kwargs
     )
     trainer.fit(model)
     return model.record

@@ -70,18 +70,8 @@ class Accumulator(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.0)
 
 
-def _fit(model: pl.LightningModule, tmp_path: Any) -> None:
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        max_epochs=1,
-        accumulate_grad_batches=K,
-        default_root_dir=tmp_path,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    trainer.fit(model)
+def _fit(model: pl.LightningModule, quiet_trainer: Any) -> None:
+    quiet_trainer(max_epochs=1, accumulate_grad_batches=K).fit(model)
 
 
 def big_batch_grads() -> list[Tensor]:
@@ -94,9 +84,9 @@ def big_batch_grads() -> list[Tensor]:
     return grads
 
 
-def test_accumulated_gradient_is_the_big_batch_gradient_in_every_mode(tmp_path: Any) -> None:
+def test_accumulated_gradient_is_the_big_batch_gradient_in_every_mode(quiet_trainer: Any) -> None:
     model = Accumulator()
-    _fit(model, tmp_path)
+    _fit(model, quiet_trainer)
     assert len(model.grads) == 1  # one optimizer step over the 4 micro-batches
     for mode, got, want in zip(lk.AGG_MODES, model.grads[0], big_batch_grads()):
         assert_close(got, want, rtol=0, atol=1e-12, msg=lambda m, mode=mode: f"{mode}: {m}")
@@ -107,10 +97,10 @@ def test_accumulated_gradient_is_the_big_batch_gradient_in_every_mode(tmp_path: 
     assert_close(model.losses[0].metric.compute(), want_kl.to(torch.float32))
 
 
-def test_without_totals_it_warns_once_and_weighs_micro_batches_equally(tmp_path: Any) -> None:
+def test_without_totals_it_warns_once_and_weighs_micro_batches_equally(quiet_trainer: Any) -> None:
     model = Accumulator(with_totals=False)
     with pytest.warns(UserWarning, match="accumulating gradients over 4 micro-batches but got no `num_tokens`") as record:
-        _fit(model, tmp_path)
+        _fit(model, quiet_trainer)
     assert sum("num_tokens" in str(w.message) for w in record) == 1
     # token-mean: the mean over micro-batches of each one's token-mean, not the big batch's
     token_mean = lk.AGG_MODES.index("token-mean")
