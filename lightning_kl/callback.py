@@ -196,8 +196,9 @@ class KLRewardCallback(Callback):
         with no host read.
         """
         if isinstance(kl_sum, Tensor) or isinstance(n_seqs, Tensor):
-            kl_sum, n_seqs = torch.as_tensor(kl_sum), torch.as_tensor(n_seqs, device=torch.as_tensor(kl_sum).device)
-            current = kl_sum.to(torch.float64) / n_seqs.to(torch.float64).clamp(min=1)
+            kl_sum = torch.as_tensor(kl_sum, dtype=torch.float64)
+            n_seqs = torch.as_tensor(n_seqs, dtype=torch.float64, device=kl_sum.device)
+            current = kl_sum / n_seqs.clamp(min=1)
             self.controller.update(current, n_steps=n_seqs)
             return torch.where(n_seqs >= 1, current, float("nan"))
         n = int(round(n_seqs))
@@ -215,7 +216,7 @@ class KLRewardCallback(Callback):
                 f"`{self.scores_key}` is per sequence, but some sequence has no valid token in `{self.mask_key}` "
                 "to carry its score."
             )
-        self.controller.value  # raises the controller's recorded fault (a non-finite KL), if any
+        _ = self.controller.value  # reading it raises the controller's recorded fault (a non-finite KL)
 
     # -----------------------------------------------------------------------------------------
     # Lightning hooks
