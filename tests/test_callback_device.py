@@ -99,7 +99,7 @@ def reference(estimator: str) -> tuple[list[float], list[Tensor]]:
         seq = [float(k[i][r["mask"][i]].mean()) for i in range(B)]
         kl = sum(seq) / len(seq)
         value *= 1 + min(max(kl / TARGET - 1, -0.2), 0.2) * B / HORIZON
-    return coefs, rewards
+    return coefs + [value], rewards
 
 
 @pytest.mark.parametrize("estimator", ["k1", "k3"])
@@ -111,16 +111,15 @@ def test_per_step_hook_reads_nothing_and_follows_the_formula(
     model, spy = Rollouts(), Spy()
     quiet_trainer(max_epochs=1, callbacks=[callback, spy], log_every_n_steps=STEPS).fit(model)
     coefs, rewards = reference(estimator)
-    # the trajectory moved, in both directions of the clip, and matches the formula bit for bit-ish
-    assert len(set(coefs)) == STEPS
+    assert len(set(coefs)) == STEPS + 1  # the trajectory moved at every step
     # the coefficient logged for a batch is the one its rewards used (from before its update)
     logged = torch.tensor([row["kl/coef"] for row in spy.logged], dtype=torch.float64)
-    assert_close(logged, torch.tensor(coefs, dtype=torch.float64), rtol=1e-12, atol=0)
+    assert_close(logged, torch.tensor(coefs[:-1], dtype=torch.float64), rtol=1e-12, atol=0)
+    assert callback.controller.value == pytest.approx(coefs[-1], rel=1e-12)
     for seen, want in zip(model.seen, rewards):
         # per-token scores: rewards = scores - beta * k at every valid token, the score alone on padding
         assert_close(seen["rewards"], torch.where(seen["mask"], want, seen["scores"]), rtol=1e-12, atol=1e-14)
         assert not torch.equal(seen["rewards"], seen["scores"])
-    assert callback.controller.value != coefs[-1]  # the last batch updated it once more
 
 
 def test_a_non_finite_kl_leaves_the_coefficient_and_is_raised_at_the_log_step(
@@ -145,8 +144,8 @@ def test_a_non_finite_kl_leaves_the_coefficient_and_is_raised_at_the_log_step(
         quiet_trainer(max_epochs=1, callbacks=[Poison(), callback, Where()], log_every_n_steps=3).fit(model)
     assert seen_at == [0, 1]  # raised in batch 2's on_train_batch_end (the log step), not before
     coefs, _ = reference("k1")
-    # the coefficient skipped the poisoned batch's update: batch 0's update, then batch 2's from there
-    assert callback.controller.value != coefs[2]
+    # batch 1's update was skipped: beta = INIT * f0 * f2, each factor f_i depending on batch i alone
+    assert callback.controller.value == pytest.approx(coefs[1] * coefs[3] / coefs[2], rel=1e-12)
 
 
 def test_a_score_on_an_empty_sequence_is_raised_at_the_epoch_end(quiet_trainer: Any) -> None:
