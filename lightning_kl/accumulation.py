@@ -63,7 +63,7 @@ def step_totals(masks: Sequence[Optional[Tensor]] | Tensor) -> dict[str, Tensor]
         m = check_mask(mask.detach(), mask, "mask")
         assert m is not None
         tokens.append(torch.count_nonzero(m))
-        seqs.append(torch.count_nonzero(m.any(-1)) if m.shape[-1] else torch.zeros((), dtype=torch.int64, device=m.device))
+        seqs.append(torch.count_nonzero(m.any(-1)))
     return {"num_tokens": torch.stack(tokens).sum(), "num_seqs": torch.stack(seqs).sum()}
 
 

@@ -21,7 +21,7 @@ Two ways to drive one, the same maths:
 from __future__ import annotations
 
 import math
-from abc import ABC, abstractmethod
+from abc import ABC
 from typing import Any, Optional, TypeVar, Union
 
 import torch
@@ -64,9 +64,10 @@ def adaptive_kl_factor(current_kl: Number, target_kl: float, n_steps: Number, ho
 class KLController(ABC):
     """Base class of the KL coefficient controllers.
 
-    Subclasses implement :meth:`_factor` (the multiplicative update, ``None`` for none) and keep
-    their configuration as attributes; the coefficient itself lives here, as a Python float or,
-    once updated with tensors, as a float64 0-d tensor on the KL's device.
+    Subclasses set ``self.value`` in ``__init__``, implement :meth:`_factor` (the multiplicative
+    update, ``None`` for none) and keep their configuration as attributes; the coefficient itself
+    lives here, as a Python float or, once updated with tensors, as a float64 0-d tensor on the KL's
+    device.
     """
 
     _value: Union[float, Tensor]
@@ -129,9 +130,14 @@ class KLController(ABC):
             raise ValueError(self._non_positive_message(n_steps, factor))
         self.value = self.value * factor
 
-    @abstractmethod
     def _factor(self, current_kl: Number, n_steps: Number) -> Optional[Number]:
-        """The multiplicative update of the coefficient for this batch; ``None`` for a constant."""
+        """The multiplicative update of the coefficient for this batch; ``None`` for a constant.
+
+        A subclass implements this (on floats and on tensors), or overrides :meth:`update` itself
+        (as controllers written for the earlier, float-only base class do: they then get tensors
+        from the callback, which ``float()`` reads).
+        """
+        raise NotImplementedError(f"{type(self).__name__} must implement `_factor` or `update`.")
 
     def _non_positive_message(self, n_steps: float, factor: float) -> str:
         return f"{type(self).__name__}: the update factor would be {factor:g} for a batch of {n_steps:g} sequences."
