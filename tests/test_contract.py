@@ -110,3 +110,29 @@ def test_documented_defaults() -> None:
     assert_close(grad, d, rtol=0, atol=0)
     loss = lk.KLPenaltyLoss()
     assert (loss.estimator, loss.coef, loss.agg) == ("k3+", 0.001, "token-mean")
+
+
+def test_a_controller_written_for_floats_still_drives_the_callback() -> None:
+    # a user subclass of the earlier base class: update() with float maths, no _factor
+    class Halving(lk.KLController):
+        def __init__(self) -> None:
+            self.value = 1.0
+
+        def update(self, current_kl: Any, n_steps: Any) -> None:
+            self.value = self.value / 2 if float(current_kl) > 0 else self.value
+
+    callback = lk.KLRewardCallback("k1", Halving())
+    lp = torch.zeros(2, 3)
+    for _ in range(3):
+        batch = {"scores": torch.zeros(2), "logprobs": lp, "ref_logprobs": lp - 1.0, "mask": torch.ones(2, 3, dtype=torch.bool)}
+        _, kl_sum, n = callback.shape_rewards(batch)
+        callback.update_controller(kl_sum, n)
+    assert callback.controller.value == 0.125
+    assert_close(batch["rewards"], torch.full((2, 3), -0.25))  # the third batch used beta = 0.25
+    with pytest.raises(NotImplementedError, match="_factor"):
+
+        class Nothing(lk.KLController):
+            def __init__(self) -> None:
+                self.value = 1.0
+
+        Nothing().update(1.0, 2)
