@@ -432,8 +432,9 @@ def test_group_advantages_by_hand():
 
 
 def test_two_ddp_processes_train_the_same_adapters_on_different_rollouts(tmp_path, cache_dir):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    # the checkout's lightning_kl, not an installed one, in both ranks
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     for var in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"):
         env.pop(var, None)  # let Lightning choose a free port and launch rank 1 itself
     try:
