@@ -332,7 +332,7 @@ class HFGRPO(pl.LightningModule):
         lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
         lr: float = 3e-3,
         kl_estimator: str = "k3+",
-        kl_coef: float = 0.1,
+        kl_coef: float = 1.0,
         kl_agg: str = "token-mean",
         kl_level: str = "token",
         clip_eps: float = 0.2,
@@ -346,6 +346,11 @@ class HFGRPO(pl.LightningModule):
         # the estimator name, coefficient, mode and level are validated here, before any step
         level = {} if kl_level == "token" else {"level": kl_level}
         self.kl = lk.KLPenaltyLoss(kl_estimator, coef=kl_coef, agg=kl_agg, **level)
+        if self.kl.spec.base == "full":
+            raise ValueError(
+                "`kl_estimator` 'full' needs both models' logits in training_step; this example passes "
+                f"sampled-token log-probs: use one of {sorted(lk.SAMPLED_ESTIMATORS)}."
+            )
         self.policy: Any = None  # a peft PeftModel, made in setup() on the pretrained weights
         self.ref_acc = float("nan")
         self.pretrain_seconds = 0.0

@@ -405,10 +405,13 @@ def test_example_config_runs_on_policy_and_trains_only_the_adapters(tmp_path, ca
     assert module.memory["reference_as_a_copy"] == module.memory["base"] > module.memory["adapters"] > 0
 
 
-def test_example_rejects_a_bad_estimator_when_the_config_is_parsed(tmp_path, one_thread):
-    with pytest.raises((SystemExit, ValueError)):
-        ex.main(["--config", str(CONFIG), *QUIET_CLI, "--model.kl_estimator=k4", f"--model.cache_dir={tmp_path}"],
-                run=False)
+@pytest.mark.parametrize("name", ["k4", "full"])
+def test_example_rejects_a_bad_estimator_before_any_step(tmp_path, one_thread, name):
+    # the message lists the valid names; the model is built before the reference is pretrained
+    with pytest.raises(ValueError, match=r"k3\+"):
+        ex.main(["--config", str(CONFIG), *QUIET_CLI, f"--model.kl_estimator={name}",
+                 f"--model.cache_dir={tmp_path}"], run=False)
+    assert not list(Path(tmp_path).iterdir())  # no reference was pretrained
 
 
 def test_score_is_exact_match_before_the_first_eos():
