@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from lightning_kl import sequence
 from lightning_kl.estimators import EstimatorSpec, estimator_value, parse_estimator
 from lightning_kl.ground.checks import (
     AGG_MODES,
@@ -38,6 +39,7 @@ from lightning_kl.kernels.full import full_kl_compute
 
 __all__ = ["AGG_MODES", "aggregate", "aggregate_counts", "importance_weight", "kl_penalty", "kl_penalty_compute"]
 
+
 def kl_penalty_compute(
     logprob: Tensor,
     ref_logprob: Tensor,
@@ -45,11 +47,12 @@ def kl_penalty_compute(
     mask: Optional[Tensor],
     old_logprob: Optional[Tensor] = None,
     max_weight: Optional[float] = None,
+    level: str = "token",
 ) -> Tensor:
     """Per-token estimate in the compute dtype (float32 for half inputs); 0 where ``mask`` is False.
 
     The single dispatch point of every caller (the function, the loss, the callback). Inputs are
-    checked by the caller.
+    checked by the caller. ``level="sequence"``: see :mod:`lightning_kl.sequence`.
     """
     dtype = compute_dtype(logprob, ref_logprob)
     zero = torch.zeros((), dtype=dtype, device=logprob.device)
@@ -63,12 +66,34 @@ def kl_penalty_compute(
             # the gradient (where() routes an exact 0 gradient to the unselected inputs)
             d = torch.where(mask, d, zero)
         value = estimator_value(spec, d)
+    if level == "sequence":
+        return _sequence_level(value, logprob, ref_logprob, spec, mask, old_logprob, max_weight, zero)
     if old_logprob is None:
         return value
     log_w = logprob.to(dtype) - old_logprob.to(dtype)
     if mask is not None:
         log_w = torch.where(mask, log_w, zero)
     return importance_weight(log_w, spec, max_weight) * value
+
+
+def _sequence_level(
+    value: Tensor,
+    logprob: Tensor,
+    ref_logprob: Tensor,
+    spec: EstimatorSpec,
+    mask: Optional[Tensor],
+    old_logprob: Optional[Tensor],
+    max_weight: Optional[float],
+    zero: Tensor,
+) -> Tensor:
+    # per-decision weights rho_{1:t} (truncated by max_weight), then the KL-to-go score term
+    weight = None
+    if old_logprob is not None:
+        log_w = logprob.to(zero.dtype) - old_logprob.to(zero.dtype)
+        weight = importance_weight(sequence.prefix_log_weights(log_w, mask), spec, max_weight)
+        value = weight * value
+    future = sequence.kl_to_go(logprob, ref_logprob, mask, weight)
+    return sequence.with_kl_to_go(value, logprob, future, mask)
 
 
 def importance_weight(log_w: Tensor, spec: EstimatorSpec, max_weight: Optional[float] = None) -> Tensor:
@@ -167,6 +192,7 @@ def kl_penalty(
     old_logprob: Optional[Tensor] = None,
     max_weight: Optional[float] = None,
     temperature: float = 1.0,
+    level: str = "token",
 ) -> Tensor:
     r"""Per-token estimate of :math:`\mathrm{KL}(\pi \,\|\, \pi_{\mathrm{ref}})` for sampled tokens.
 
@@ -201,14 +227,22 @@ def kl_penalty(
         temperature: ``full`` only: the policy's sampling temperature ``T > 0`` in
             ``softmax(logits / T)``. Sampled estimators take log-probs already computed at the
             sampling temperature, so any other value than 1 is an error for them.
+        level: ``"token"`` (default): each token's KL given its prefix. ``"sequence"``: the KL of
+            whole responses along the last dimension. The values are the token level's on-policy
+            (``rho_{1:t}`` times them with ``old_logprob``: per-decision weights), and the gradient
+            gains the KL-to-go term ``grad log pi_t * sum_{s > t} d_s`` of every valid token, so
+            that the expected gradient is that of the responses' KL for ``k2`` and every ``+`` name
+            (and ``k1``, ``k3`` with ``old_logprob``); aggregate with ``token-sum``,
+            ``seq-mean-token-sum`` or ``seq-mean-token-sum-norm`` (``token-mean`` when the token
+            count is fixed). Derivations: :mod:`lightning_kl.sequence`. Not with ``full``.
 
     Returns:
         The per-token estimate, same shape as the inputs, in their (promoted) dtype. Half precision
         inputs are computed in float32 and the result is cast back.
 
     Raises:
-        ValueError: for an unknown estimator name, a bad ``max_weight``, or shapes that do not
-            match (both are named).
+        ValueError: for an unknown estimator name or level, a bad ``max_weight``, ``full`` with
+            ``level="sequence"``, or shapes that do not match (both are named).
         TypeError: for inputs that are not floating point tensors.
 
     Example:
@@ -223,6 +257,10 @@ def kl_penalty(
     """
     spec = parse_estimator(estimator)
     max_weight = check_max_weight(max_weight)
+    if sequence.check_level(level) == "sequence":
+        sequence.check_sequence_estimator(spec)
+        if isinstance(logprob, Tensor) and logprob.ndim == 0:
+            raise ValueError("level='sequence' needs a token dimension (the last one), got a scalar `logprob`.")
     if spec.base == "full":
         reject_old_logprob(old_logprob)
         mask = check_full_inputs(logprob, ref_logprob, mask)
@@ -233,7 +271,7 @@ def kl_penalty(
     check_old_logprob(old_logprob, logprob)
     mask = check_mask(mask, logprob, "logprob")
     out_dtype = torch.promote_types(logprob.dtype, ref_logprob.dtype)
-    return kl_penalty_compute(logprob, ref_logprob, spec, mask, old_logprob, max_weight).to(out_dtype)
+    return kl_penalty_compute(logprob, ref_logprob, spec, mask, old_logprob, max_weight, level).to(out_dtype)
 
 
 def aggregate(

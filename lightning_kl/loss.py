@@ -22,6 +22,7 @@ from lightning_kl.ground.checks import (
 )
 from lightning_kl.kernels.full import full_kl_compute
 from lightning_kl.metric import KLMetric
+from lightning_kl.sequence import check_level, check_sequence_agg, check_sequence_estimator
 
 __all__ = ["KLPenaltyLoss"]
 
@@ -62,6 +63,14 @@ class KLPenaltyLoss(nn.Module):
         temperature: ``estimator="full"`` only: the policy's sampling temperature ``T > 0``; the
             KL is that of ``softmax(logits / T)`` to ``softmax(ref_logits / T)``. Any value but 1
             with a sampled estimator is an error (their log-probs carry the temperature already).
+        level: ``"token"`` (default) or ``"sequence"``: the KL of whole responses along the last
+            dimension. Same values on-policy (per-decision weights ``rho_{1:t}`` off-policy), plus
+            the KL-to-go gradient term ``grad log pi_t * sum_{s > t} d_s`` for every valid token,
+            weighted like token ``t`` by ``agg``: the expected gradient is then that of the
+            responses' KL for ``k2`` and every ``+`` name (``k1``, ``k3`` too with
+            ``old_logprob``). ``agg="seq-mean-token-mean"`` (a length-normalized objective) and
+            ``full`` (no sampled tokens) are rejected here; ``token-mean`` is exact when the
+            number of valid tokens per batch is fixed. See :mod:`lightning_kl.sequence`.
 
     With ``estimator="full"``, ``forward(logits, ref_logits, mask)`` takes both models' logits
     ``[b, t, V]`` and a ``[b, t]`` mask, and aggregates the exact per-token KL over the vocabulary
@@ -79,7 +88,8 @@ class KLPenaltyLoss(nn.Module):
     that ``Trainer(detect_anomaly=True)`` stops at it.
 
     Raises:
-        ValueError: at construction, for an unknown estimator or mode or a bad ``coef`` or ``max_weight``; in forward,
+        ValueError: at construction, for an unknown estimator, mode or level, a bad ``coef`` or
+            ``max_weight``, or a mode or estimator that does not fit ``level="sequence"``; in forward,
             for shapes that do not match (both are named).
 
     Example:
@@ -104,6 +114,7 @@ class KLPenaltyLoss(nn.Module):
         global_batch: bool = False,
         max_weight: Optional[float] = None,
         temperature: float = 1.0,
+        level: str = "token",
     ) -> None:
         super().__init__()
         self.spec = parse_estimator(estimator)
@@ -121,6 +132,10 @@ class KLPenaltyLoss(nn.Module):
         self.temperature = check_temperature(temperature)
         if self.spec.base != "full":
             check_sampled_temperature(self.temperature, self.spec.name)
+        self.level = check_level(level)
+        if self.level == "sequence":
+            check_sequence_estimator(self.spec)
+            check_sequence_agg(self.agg)
         self.metric = KLMetric()
 
     @property
@@ -147,7 +162,7 @@ class KLPenaltyLoss(nn.Module):
             check_pair(logprob, ref_logprob)
             check_old_logprob(old_logprob, logprob)
             mask = check_mask(mask, logprob, "logprob")
-            kl = kl_penalty_compute(logprob, ref_logprob, self.spec, mask, old_logprob, self.max_weight)
+            kl = kl_penalty_compute(logprob, ref_logprob, self.spec, mask, old_logprob, self.max_weight, self.level)
         self.metric(kl.detach(), mask)
         return self.coef * self._aggregate(kl, mask)
 
@@ -171,4 +186,6 @@ class KLPenaltyLoss(nn.Module):
             extra += f", max_weight={self.max_weight}"
         if self.temperature != 1.0:
             extra += f", temperature={self.temperature}"
+        if self.level != "token":
+            extra += f", level={self.level!r}"
         return f"estimator={self.spec.name!r}, coef={self.coef}, agg={self.agg!r}{extra}"
