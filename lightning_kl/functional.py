@@ -19,7 +19,6 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from lightning_kl import sequence
 from lightning_kl.estimators import EstimatorSpec, estimator_value, parse_estimator
 from lightning_kl.ground.checks import (
     AGG_MODES,
@@ -36,6 +35,7 @@ from lightning_kl.ground.checks import (
 )
 from lightning_kl.kernels import fused
 from lightning_kl.kernels.full import full_kl_compute
+from lightning_kl.sequence import check_level, check_sequence_estimator, kl_to_go, prefix_log_weights, with_kl_to_go
 
 __all__ = ["AGG_MODES", "aggregate", "aggregate_counts", "importance_weight", "kl_penalty", "kl_penalty_compute"]
 
@@ -90,10 +90,10 @@ def _sequence_level(
     weight = None
     if old_logprob is not None:
         log_w = logprob.to(zero.dtype) - old_logprob.to(zero.dtype)
-        weight = importance_weight(sequence.prefix_log_weights(log_w, mask), spec, max_weight)
+        weight = importance_weight(prefix_log_weights(log_w, mask), spec, max_weight)
         value = weight * value
-    future = sequence.kl_to_go(logprob, ref_logprob, mask, weight)
-    return sequence.with_kl_to_go(value, logprob, future, mask)
+    future = kl_to_go(logprob, ref_logprob, mask, weight)
+    return with_kl_to_go(value, logprob, future, mask)
 
 
 def importance_weight(log_w: Tensor, spec: EstimatorSpec, max_weight: Optional[float] = None) -> Tensor:
@@ -257,8 +257,8 @@ def kl_penalty(
     """
     spec = parse_estimator(estimator)
     max_weight = check_max_weight(max_weight)
-    if sequence.check_level(level) == "sequence":
-        sequence.check_sequence_estimator(spec)
+    if check_level(level) == "sequence":
+        check_sequence_estimator(spec)
         if isinstance(logprob, Tensor) and logprob.ndim == 0:
             raise ValueError("level='sequence' needs a token dimension (the last one), got a scalar `logprob`.")
     if spec.base == "full":

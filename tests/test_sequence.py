@@ -30,6 +30,7 @@ from torch.testing import assert_close
 from torch.utils.data import DataLoader
 
 import lightning_kl as lk
+from _trainers import QUIET
 
 V, T, EOS = 3, 4, 0
 SAMPLED = list(lk.SAMPLED_ESTIMATORS)
@@ -451,12 +452,11 @@ class SequenceKLModule(pl.LightningModule):
 
 
 @pytest.mark.parametrize("estimator", SAMPLED)
-def test_every_estimator_trains_at_the_sequence_level(estimator, tmp_path):
+def test_every_estimator_trains_at_the_sequence_level(estimator, quiet_trainer):
     pl.seed_everything(0)
     model = SequenceKLModule(estimator)
     before = model.policy.logits.detach().clone()
-    trainer = pl.Trainer(fast_dev_run=2, accelerator="cpu", default_root_dir=tmp_path, logger=False,
-                         enable_progress_bar=False, enable_model_summary=False)
+    trainer = quiet_trainer(fast_dev_run=2)
     trainer.fit(model)
     assert len(model.losses) == 2 and all(math.isfinite(x) for x in model.losses)
     assert not torch.equal(before, model.policy.logits.detach())
@@ -465,8 +465,7 @@ def test_every_estimator_trains_at_the_sequence_level(estimator, tmp_path):
 
 def _config(tmp_path, level):
     config = {"model": {"estimator": "k3+", "level": level},
-              "trainer": {"fast_dev_run": 2, "accelerator": "cpu", "logger": False, "enable_progress_bar": False,
-                          "enable_model_summary": False, "default_root_dir": str(tmp_path)}}
+              "trainer": {**QUIET, "fast_dev_run": 2, "default_root_dir": str(tmp_path)}}
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
