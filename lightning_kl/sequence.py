@@ -17,8 +17,8 @@ A per-token estimator whose expected gradient is exact at the token level (``k2`
 name) gives :math:`E[\sum_t d_t \nabla\log\pi_t]`: the gradient of each token's KL *given its
 prefix*, with the prefix distribution held fixed. It misses the *KL-to-go* term
 :math:`\nabla\log\pi_t \sum_{s > t} d_s`: how token :math:`t` changes the distribution of every token
-after it. In ``examples/estimator_study.py`` the missing term is of the same size as the whole
-gradient (relative error about 1).
+after it. In ``examples/estimator_study.py`` the missing term is of the order of the whole gradient
+(a relative error of 0.48 for ``k3+``).
 
 **On-policy** (``old_logprob`` not given), ``level="sequence"`` returns, per valid token,
 
@@ -190,7 +190,7 @@ def prefix_log_weights(log_w: Tensor, mask: Optional[Tensor]) -> Tensor:
 
     Example:
         >>> prefix_log_weights(torch.tensor([0.5, 9.0, -1.0]), torch.tensor([True, False, True]))
-        tensor([0.5000, 0.5000, 0.0000])
+        tensor([ 0.5000,  0.5000, -0.5000])
     """
     if mask is not None:
         log_w = torch.where(mask, log_w, torch.zeros((), dtype=log_w.dtype, device=log_w.device))

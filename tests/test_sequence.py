@@ -336,6 +336,7 @@ def test_bad_level_fails_with_the_valid_ones():
         lk.kl_penalty(lp, lp, "k3+", level="seq")
     with pytest.raises(ValueError, match=r"Unknown KL level 'Sequence'.*'token', 'sequence'"):
         lk.KLPenaltyLoss("k3+", level="Sequence")
+    assert lk.LEVELS == ("token", "sequence")
     with pytest.raises(ValueError, match=r"Unknown KL level None"):
         lk.KLPenaltyLoss("k3+", level=None)
 
