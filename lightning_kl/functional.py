@@ -35,7 +35,14 @@ from lightning_kl.ground.checks import (
 )
 from lightning_kl.kernels import fused
 from lightning_kl.kernels.full import full_kl_compute
-from lightning_kl.sequence import check_level, check_sequence_estimator, kl_to_go, prefix_log_weights, with_kl_to_go
+from lightning_kl.sequence import (
+    check_level,
+    check_sampled_logprob,
+    full_with_kl_to_go,
+    kl_to_go,
+    prefix_log_weights,
+    with_kl_to_go,
+)
 
 __all__ = ["AGG_MODES", "aggregate", "aggregate_counts", "importance_weight", "kl_penalty", "kl_penalty_compute"]
 
@@ -193,6 +200,7 @@ def kl_penalty(
     max_weight: Optional[float] = None,
     temperature: float = 1.0,
     level: str = "token",
+    sampled_logprob: Optional[Tensor] = None,
 ) -> Tensor:
     r"""Per-token estimate of :math:`\mathrm{KL}(\pi \,\|\, \pi_{\mathrm{ref}})` for sampled tokens.
 
@@ -234,15 +242,20 @@ def kl_penalty(
             that the expected gradient is that of the responses' KL for ``k2`` and every ``+`` name
             (and ``k1``, ``k3`` with ``old_logprob``); aggregate with ``token-sum``,
             ``seq-mean-token-sum`` or ``seq-mean-token-sum-norm`` (``token-mean`` when the token
-            count is fixed). Derivations: :mod:`lightning_kl.sequence`. Not with ``full``.
+            count is fixed). Derivations: :mod:`lightning_kl.sequence`. With ``full`` (on-policy) it
+            needs ``sampled_logprob``.
+        sampled_logprob: ``full`` at ``level="sequence"`` only: ``[..., t]`` the policy's log-probs of
+            the sampled tokens (differentiable, at the sampling temperature), whose score carries the
+            KL-to-go term; the future term is then the exact KL of the later positions.
 
     Returns:
         The per-token estimate, same shape as the inputs, in their (promoted) dtype. Half precision
         inputs are computed in float32 and the result is cast back.
 
     Raises:
-        ValueError: for an unknown estimator name or level, a bad ``max_weight``, ``full`` with
-            ``level="sequence"``, or shapes that do not match (both are named).
+        ValueError: for an unknown estimator name or level, a bad ``max_weight``, ``full`` at
+            ``level="sequence"`` without ``sampled_logprob`` (or it anywhere else), or shapes that do
+            not match (both are named).
         TypeError: for inputs that are not floating point tensors.
 
     Example:
@@ -257,15 +270,19 @@ def kl_penalty(
     """
     spec = parse_estimator(estimator)
     max_weight = check_max_weight(max_weight)
-    if check_level(level) == "sequence":
-        check_sequence_estimator(spec)
-        if isinstance(logprob, Tensor) and logprob.ndim == 0:
-            raise ValueError("level='sequence' needs a token dimension (the last one), got a scalar `logprob`.")
+    sequence = check_level(level) == "sequence"
     if spec.base == "full":
         reject_old_logprob(old_logprob)
         mask = check_full_inputs(logprob, ref_logprob, mask)
+        sampled_logprob = check_sampled_logprob(sampled_logprob, logprob, sequence)
         out_dtype = torch.promote_types(logprob.dtype, ref_logprob.dtype)
-        return full_kl_compute(logprob, ref_logprob, mask, temperature).to(out_dtype)
+        kl = full_kl_compute(logprob, ref_logprob, mask, temperature)
+        if sampled_logprob is not None:
+            kl = full_with_kl_to_go(kl, sampled_logprob, mask)
+        return kl.to(out_dtype)
+    check_sampled_logprob(sampled_logprob, logprob, False)
+    if sequence and isinstance(logprob, Tensor) and logprob.ndim == 0:
+        raise ValueError("level='sequence' needs a token dimension (the last one), got a scalar `logprob`.")
     check_sampled_temperature(temperature, spec.name)
     check_pair(logprob, ref_logprob)
     check_old_logprob(old_logprob, logprob)

@@ -22,7 +22,7 @@ from lightning_kl.ground.checks import (
 )
 from lightning_kl.kernels.full import full_kl_compute
 from lightning_kl.metric import KLMetric
-from lightning_kl.sequence import check_level, check_sequence_agg, check_sequence_estimator
+from lightning_kl.sequence import check_level, check_sampled_logprob, check_sequence_agg, full_with_kl_to_go
 
 __all__ = ["KLPenaltyLoss"]
 
@@ -68,9 +68,9 @@ class KLPenaltyLoss(nn.Module):
             the KL-to-go gradient term ``grad log pi_t * sum_{s > t} d_s`` for every valid token,
             weighted like token ``t`` by ``agg``: the expected gradient is then that of the
             responses' KL for ``k2`` and every ``+`` name (``k1``, ``k3`` too with
-            ``old_logprob``). ``agg="seq-mean-token-mean"`` (a length-normalized objective) and
-            ``full`` (no sampled tokens) are rejected here; ``token-mean`` is exact when the
-            number of valid tokens per batch is fixed. See :mod:`lightning_kl.sequence`.
+            ``old_logprob``). ``agg="seq-mean-token-mean"`` (a length-normalized objective) is
+            rejected here; ``token-mean`` is exact when the number of valid tokens per batch is
+            fixed. ``full`` then needs ``sampled_logprob`` in forward. See :mod:`lightning_kl.sequence`.
 
     With ``estimator="full"``, ``forward(logits, ref_logits, mask)`` takes both models' logits
     ``[b, t, V]`` and a ``[b, t]`` mask, and aggregates the exact per-token KL over the vocabulary
@@ -89,7 +89,7 @@ class KLPenaltyLoss(nn.Module):
 
     Raises:
         ValueError: at construction, for an unknown estimator, mode or level, a bad ``coef`` or
-            ``max_weight``, or a mode or estimator that does not fit ``level="sequence"``; in forward,
+            ``max_weight``, or a mode that does not fit ``level="sequence"``; in forward,
             for shapes that do not match (both are named).
 
     Example:
@@ -134,7 +134,6 @@ class KLPenaltyLoss(nn.Module):
             check_sampled_temperature(self.temperature, self.spec.name)
         self.level = check_level(level)
         if self.level == "sequence":
-            check_sequence_estimator(self.spec)
             check_sequence_agg(self.agg)
         self.metric = KLMetric()
 
@@ -149,16 +148,23 @@ class KLPenaltyLoss(nn.Module):
         ref_logprob: Tensor,
         mask: Optional[Tensor] = None,
         old_logprob: Optional[Tensor] = None,
+        sampled_logprob: Optional[Tensor] = None,
     ) -> Tensor:
         """The scalar KL loss; ``old_logprob`` (the sampling policy's) importance weights it.
 
-        For ``full``, ``logprob`` and ``ref_logprob`` are the logits ``[..., V]``, ``mask`` is ``[...]``.
+        For ``full``, ``logprob`` and ``ref_logprob`` are the logits ``[..., V]``, ``mask`` is ``[...]``;
+        at ``level="sequence"`` it also needs ``sampled_logprob`` ``[...]``, the policy's
+        (differentiable) log-probs of the sampled tokens (see :mod:`lightning_kl.sequence`).
         """
         if self.spec.base == "full":
             reject_old_logprob(old_logprob)
             mask = check_full_inputs(logprob, ref_logprob, mask)
+            sampled_logprob = check_sampled_logprob(sampled_logprob, logprob, self.level == "sequence")
             kl = full_kl_compute(logprob, ref_logprob, mask, self.temperature)
+            if sampled_logprob is not None:
+                kl = full_with_kl_to_go(kl, sampled_logprob, mask)
         else:
+            check_sampled_logprob(sampled_logprob, logprob, False)
             check_pair(logprob, ref_logprob)
             check_old_logprob(old_logprob, logprob)
             mask = check_mask(mask, logprob, "logprob")

@@ -97,11 +97,24 @@ gradient, :math:`\nabla J = E[\sum_t \nabla\log\pi_t\,(1 + \sum_s d_s) / n(y)]` 
 *every* token :math:`s` of the response, past ones included (:math:`1/n(y)` depends on the whole
 response), is not a KL-to-go and is not offered: :func:`check_sequence_agg` rejects the mode.
 
+**``full``** (the exact per-position KL from both models' logits, on-policy) gives the local term
+exactly: :math:`\mathrm{KL}_t(y_{<t})` and its gradient with the prefix fixed, no sampling noise. The
+KL-to-go needs the score :math:`\nabla\log\pi_t` of the *sampled* token, which the logits alone do
+not give: pass its log-prob as ``sampled_logprob`` (differentiable, at the sampling temperature).
+The future term then uses the exact KLs of the later positions,
+
+.. math::
+    \mathrm{out}_t = \mathrm{KL}_t + (\log\pi_t - \operatorname{sg}\log\pi_t)\,
+    \operatorname{sg}\Big(\sum_{s > t} \mathrm{KL}_s\Big),
+
+exact because :math:`\mathrm{KL}_s(y_{<s}) = E[d_s \mid y_{<s}]` and :math:`\nabla\log\pi_t` is a
+function of :math:`y_{\le t}`, :math:`t < s` (tower property). Replacing each :math:`d_s` by its
+conditional expectation removes the sampling noise of the later tokens' own draws, so the gradient is
+less noisy than a sampled estimator's (``examples/estimator_study.py``). Off-policy ``full`` stays
+rejected, as at the token level.
+
 **Not here.** The gradient w.r.t. ``ref_logprob`` stays the token level's (the reference is frozen
-in RL fine-tuning). ``full`` (the exact per-position KL from logits) is rejected at the sequence
-level by :func:`check_sequence_estimator`: its per-position gradient would be the exact local term,
-but the KL-to-go needs the score :math:`\nabla\log\pi_t` of the *sampled* tokens, which the logits
-alone do not give.
+in RL fine-tuning).
 """
 
 from __future__ import annotations
@@ -111,14 +124,16 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from lightning_kl.estimators import SAMPLED_ESTIMATORS, EstimatorSpec
+from lightning_kl.ground.checks import check_floating
 
 __all__ = [
     "LEVELS",
     "SEQUENCE_AGG_MODES",
     "check_level",
+    "check_sampled_logprob",
     "check_sequence_agg",
-    "check_sequence_estimator",
+    "full_with_kl_to_go",
+    "future_sum",
     "kl_to_go",
     "prefix_log_weights",
     "with_kl_to_go",
@@ -161,17 +176,38 @@ def check_sequence_agg(mode: str) -> str:
     return mode
 
 
-def check_sequence_estimator(spec: EstimatorSpec) -> EstimatorSpec:
-    """Reject ``full`` at the sequence level, saying why and what to use instead."""
-    if spec.base == "full":
-        valid = ", ".join(repr(n) for n in SAMPLED_ESTIMATORS)
+def check_sampled_logprob(sampled_logprob: object, logits: Tensor, full_sequence: bool) -> Optional[Tensor]:
+    """``sampled_logprob`` is needed by ``full`` at the sequence level, and only there; shape ``logits[..., 0]``.
+
+    Raises:
+        ValueError: when it is missing for ``full`` at ``level="sequence"`` (saying why), given anywhere
+            else, or of the wrong shape or device (both are named).
+        TypeError: when it is not a floating point tensor.
+    """
+    if not full_sequence:
+        if sampled_logprob is not None:
+            raise ValueError(
+                "`sampled_logprob` is for estimator='full' at level='sequence' only (the score of the sampled "
+                "tokens for the KL-to-go term); sampled estimators read it from `logprob` already."
+            )
+        return None
+    if sampled_logprob is None:
         raise ValueError(
-            "The 'full' estimator cannot be used with level='sequence': the exact per-position KL gives the "
-            "local gradient, but the KL-to-go term of a response needs the score grad log pi(y_t | y_<t) of the "
-            "*sampled* tokens, which the logits alone do not give. Use level='token' with 'full', or a sampled "
-            f"estimator on the sampled tokens' log-probs with level='sequence' (e.g. 'k3+'): {valid}."
+            "estimator='full' at level='sequence' needs `sampled_logprob`, the policy's log-probs of the sampled "
+            "tokens `[..., t]` (differentiable, at the sampling temperature; e.g. log_softmax(logits / T) gathered "
+            "at the tokens): the exact per-position KL gives the local gradient, but the KL-to-go term is carried "
+            "by the score grad log pi(y_t | y_<t) of the sampled tokens, which the logits alone do not give."
         )
-    return spec
+    check_floating("sampled_logprob", sampled_logprob)
+    assert isinstance(sampled_logprob, Tensor)
+    if logits.ndim < 2 or sampled_logprob.shape != logits.shape[:-1]:
+        raise ValueError(
+            "`sampled_logprob` must have the shape of `logits` without the vocabulary dimension, with a token "
+            f"dimension: got sampled_logprob {tuple(sampled_logprob.shape)} and logits {tuple(logits.shape)}."
+        )
+    if sampled_logprob.device != logits.device:
+        raise ValueError(f"`sampled_logprob` is on {sampled_logprob.device} but `logits` is on {logits.device}.")
+    return sampled_logprob
 
 
 def prefix_log_weights(log_w: Tensor, mask: Optional[Tensor]) -> Tensor:
@@ -220,13 +256,43 @@ def kl_to_go(logprob: Tensor, ref_logprob: Tensor, mask: Optional[Tensor], weigh
     dtype = torch.promote_types(torch.promote_types(logprob.dtype, ref_logprob.dtype), torch.float32)
     with torch.no_grad():
         d = logprob.to(dtype) - ref_logprob.to(dtype)
-        if mask is not None:
-            d = torch.where(mask, d, torch.zeros((), dtype=dtype, device=d.device))
         if weight is not None:
             d = weight.detach().to(dtype) * d
-        # sum over s >= t, minus the token itself; flipped cumsum keeps the small tail sums exact
-        to_go = d.flip(-1).cumsum(-1).flip(-1)
-        return to_go - d
+        return future_sum(d, mask)
+
+
+def future_sum(values: Tensor, mask: Optional[Tensor]) -> Tensor:
+    r"""The detached :math:`\sum_{s > t,\ \mathrm{valid}} v_s` along the last dimension.
+
+    Example:
+        >>> future_sum(torch.tensor([1.0, 2.0, float("inf"), 4.0]), torch.tensor([True, True, False, True]))
+        tensor([6., 4., 4., 0.])
+    """
+    with torch.no_grad():
+        if mask is not None:
+            values = torch.where(mask, values, torch.zeros((), dtype=values.dtype, device=values.device))
+        # sum over s >= t, minus the token itself; the flipped cumsum keeps the small tail sums exact
+        return values.flip(-1).cumsum(-1).flip(-1) - values
+
+
+def full_with_kl_to_go(kl: Tensor, sampled_logprob: Tensor, mask: Optional[Tensor]) -> Tensor:
+    r"""``full`` at the sequence level: :math:`\mathrm{KL}_t + (\log\pi_t - \operatorname{sg}\log\pi_t)
+    \sum_{s > t} \operatorname{sg}\mathrm{KL}_s`.
+
+    Args:
+        kl: ``[..., t]`` the exact per-position KL (differentiable w.r.t. the logits).
+        sampled_logprob: ``[..., t]`` the policy's log-probs of the sampled tokens (differentiable).
+        mask: optional ``[..., t]`` bool mask.
+
+    Example:
+        >>> lp = torch.tensor([-1.0, -2.0, -0.5], requires_grad=True)
+        >>> out = full_with_kl_to_go(torch.tensor([0.25, 0.5, 0.125]), lp, None)
+        >>> out
+        tensor([0.2500, 0.5000, 0.1250], grad_fn=<AddBackward0>)
+        >>> out.sum().backward(); lp.grad  # the exact KL of the later positions
+        tensor([0.6250, 0.1250, 0.0000])
+    """
+    return with_kl_to_go(kl, sampled_logprob, future_sum(kl.detach(), mask), mask)
 
 
 def with_kl_to_go(value: Tensor, logprob: Tensor, future: Tensor, mask: Optional[Tensor]) -> Tensor:

@@ -99,6 +99,17 @@ class Tabular:
         mask = torch.zeros(n, width, dtype=torch.bool).index_put((seq_t, pos_t), torch.tensor(True))
         return Batch(lp, ref, old, mask, log_pi, log_ref, log_mu)
 
+    def logits(self, layout: str = "right") -> tuple[torch.Tensor, torch.Tensor]:
+        """Both models' logits ``[N, L, V]`` at every valid position (NaN elsewhere), the policy's differentiable."""
+        b = self.batch(layout)  # builds the index
+        seq_t, pos_t, rows_t, _ = self._index[layout]
+        shape = (*b.mask.shape, V)
+
+        def place(table):
+            return torch.full(shape, float("nan"), dtype=torch.float64).index_put((seq_t, pos_t), table[rows_t])
+
+        return place(self.theta), place(self.ref_logits)
+
     def _layout(self, layout: str, width: int) -> tuple[torch.Tensor, ...]:
         """(response, position, prefix row, token) of every valid token."""
         seq, pos, rows, toks = [], [], [], []
@@ -341,15 +352,59 @@ def test_bad_level_fails_with_the_valid_ones():
         lk.KLPenaltyLoss("k3+", level=None)
 
 
-def test_seq_mean_token_mean_and_full_are_rejected_at_construction():
+def test_seq_mean_token_mean_is_rejected_at_construction():
     with pytest.raises(ValueError, match=r"'seq-mean-token-mean' does not fit level='sequence'.*length-normalized.*"
                                          r"'token-mean', 'token-sum', 'seq-mean-token-sum', 'seq-mean-token-sum-norm'"):
         lk.KLPenaltyLoss("k3+", agg="seq-mean-token-mean", level="sequence")
-    with pytest.raises(ValueError, match=r"'full' estimator cannot be used with level='sequence'.*sampled"):
-        lk.KLPenaltyLoss("full", level="sequence")
-    with pytest.raises(ValueError, match=r"'full' estimator cannot be used with level='sequence'"):
-        lk.kl_penalty(torch.zeros(2, 3, 5), torch.zeros(2, 3, 5), "full", level="sequence")
     lk.KLPenaltyLoss("k3+", agg="seq-mean-token-mean")  # the token level keeps every mode
+
+
+# ---------------------------------------------------------------------------------------------
+# full: the exact local term, and the exact KL of the later positions as the KL-to-go
+
+
+@pytest.mark.parametrize("layout", ["right", "holes"])
+def test_full_with_sampled_logprob_is_exact(pol, layout):
+    kl, grad_kl = pol.exact_kl()
+
+    def expect(sequence=False):
+        b = pol.batch(layout)
+        logits, ref_logits = pol.logits(layout)
+        p = b.log_pi.detach().exp()
+        kw = dict(level="sequence", sampled_logprob=b.lp) if sequence else {}
+        out = lk.kl_penalty(logits, ref_logits, "full", mask=b.mask, **kw)
+        assert torch.isfinite(out).all() and (out[~b.mask] == 0).all()
+        value = (p * out.sum(-1)).sum()
+        (grad,) = torch.autograd.grad(value, pol.theta)
+        return value.item(), grad
+
+    value, grad = expect(sequence=True)
+    assert value == pytest.approx(kl, rel=1e-12)  # sum_t KL_t(y_<t) is an unbiased estimate of the KL
+    assert rel_err(grad, grad_kl) < 1e-9
+    value_token, grad_token = expect()
+    assert value_token == pytest.approx(kl, rel=1e-12) and rel_err(grad_token, grad_kl) > 0.3
+
+
+def test_full_sequence_through_the_loss_and_its_errors(pol):
+    b = pol.batch()
+    logits, ref_logits = pol.logits()
+    loss_fn = lk.KLPenaltyLoss("full", coef=1.0, agg="token-sum", level="sequence")
+    loss = loss_fn(logits, ref_logits, b.mask, sampled_logprob=b.lp)
+    want = lk.kl_penalty(logits, ref_logits, "full", mask=b.mask, level="sequence", sampled_logprob=b.lp).sum()
+    (g1,) = torch.autograd.grad(loss, pol.theta, retain_graph=True)
+    (g2,) = torch.autograd.grad(want, pol.theta, retain_graph=True)
+    assert_close(g1, g2)
+    with pytest.raises(ValueError, match=r"'full' at level='sequence' needs `sampled_logprob`.*score"):
+        loss_fn(logits, ref_logits, b.mask)
+    with pytest.raises(ValueError, match=r"`sampled_logprob` must have the shape.*\(3, 31\) and logits \(31, 7, 3\)"):
+        lk.kl_penalty(logits, ref_logits, "full", mask=b.mask, level="sequence", sampled_logprob=b.lp[:, :3].T)
+    with pytest.raises(ValueError, match=r"`sampled_logprob` is for estimator='full' at level='sequence' only"):
+        lk.kl_penalty(logits, ref_logits, "full", mask=b.mask, sampled_logprob=b.lp)
+    with pytest.raises(ValueError, match=r"`sampled_logprob` is for estimator='full' at level='sequence' only"):
+        lk.KLPenaltyLoss("k3+", level="sequence")(b.lp, b.ref, b.mask, sampled_logprob=b.lp)
+    with pytest.raises(ValueError, match=r"old_logprob"):
+        lk.kl_penalty(logits, ref_logits, "full", mask=b.mask, level="sequence", sampled_logprob=b.lp,
+                      old_logprob=b.old)
 
 
 def test_loss_is_coef_times_aggregate_of_the_functional():
