@@ -399,6 +399,15 @@ class TabularAR:
         old, log_mu = self.table(self.mu_logits)
         return lp, ref, old, log_pi, log_ref, log_mu
 
+    def logits(self) -> tuple[Tensor, Tensor]:
+        """Both models' logits ``[n, length, vocab]`` at every valid position (0 on padding)."""
+        shape = (*self.mask.shape, self.theta.shape[1])
+
+        def place(table: Tensor) -> Tensor:
+            return torch.zeros(shape, dtype=table.dtype).index_put((self.seq, self.pos), table[self.rows])
+
+        return place(self.theta), place(self.ref_logits)
+
     def exact(self) -> tuple[float, Tensor]:
         """KL(pi || pi_ref) over responses and its gradient."""
         _, _, _, log_pi, log_ref, _ = self.logprobs()
@@ -410,9 +419,14 @@ class TabularAR:
 def _per_sample(pol: TabularAR, name: str, level: str, mode: str, max_weight: Optional[float] = None):
     """The sampler's probabilities ``[n]`` and each response's ``sum_t out_t`` ``[n]`` (differentiable)."""
     lp, ref, old, log_pi, _, log_mu = pol.logprobs()
+    sampler = (log_mu if mode == "off" else log_pi).detach().exp()
+    if name == "full":  # on-policy only: the exact per-position KL from logits
+        logits, ref_logits = pol.logits()
+        sampled = lp if level == "sequence" else None
+        out = lk.kl_penalty(logits, ref_logits, name, mask=pol.mask, level=level, sampled_logprob=sampled)
+        return sampler, out.sum(-1)
     old_logprob = {"on": None, "on-detach": lp.detach(), "off": old}[mode]
     out = lk.kl_penalty(lp, ref, name, mask=pol.mask, old_logprob=old_logprob, level=level, max_weight=max_weight)
-    sampler = (log_mu if mode == "off" else log_pi).detach().exp()
     return sampler, out.sum(-1)
 
 
@@ -434,11 +448,15 @@ def study_sequence_gradients(pol: TabularAR, max_weight: float) -> str:
         ("off", None, "off-policy, `old_logprob`"),
         ("off", max_weight, f"off-policy, `max_weight={max_weight:g}`"),
     ]
-    names = [*lk.BASE_ESTIMATORS, *[f"{n}+" for n in lk.BASE_ESTIMATORS]]
+    names = [*lk.BASE_ESTIMATORS, *[f"{n}+" for n in lk.BASE_ESTIMATORS], "full"]
     rows, value_rows = [], []
     for name in names:
         row, vrow = [f"`{name}`"], [f"`{name}`"]
         for mode, cap, _ in columns:
+            if name == "full" and mode != "on":  # no importance weights for the exact KL
+                row += ["—", "—"]
+                vrow += ["—"] if cap is None and mode == "off" else []
+                continue
             for level in ("token", "sequence"):
                 sampler, per = _per_sample(pol, name, level, mode, cap)
                 total = (sampler * per).sum()
@@ -463,14 +481,14 @@ def study_sequence_gradients(pol: TabularAR, max_weight: float) -> str:
     )
 
 
-def study_sequence_std(pol: TabularAR, names: tuple[str, ...] = ("k3+", "k2", "k3")) -> str:
+def study_sequence_std(pol: TabularAR, names: tuple[str, ...] = ("k3+", "k2", "k3", "full")) -> str:
     """(d3) the standard deviation of one response's gradient at each level (the price of exactness)."""
     _, grad_kl = pol.exact()
     rows = []
     for name in names:
         row = [f"`{name}`"]
         for mode in ("on", "off"):
-            if mode == "on" and name == "k3":
+            if (mode == "on" and name == "k3") or (mode == "off" and name == "full"):
                 row += ["—", "—"]
                 continue
             for level in ("token", "sequence"):
@@ -484,7 +502,8 @@ def study_sequence_std(pol: TabularAR, names: tuple[str, ...] = ("k3+", "k2", "k
         rows.append(row)
     return (
         "**Noise of one response's gradient**: sqrt(E||g - E g||^2) / ||grad KL||, exact over the responses "
-        "(`k3` needs `old_logprob` to be exact; on-policy it is left out):\n\n"
+        "(`k3` needs `old_logprob` to be exact, `full` takes no weights; `full` at the sequence level: the exact "
+        "local term and the exact KL of the later positions as the KL-to-go):\n\n"
         + table(["estimator", "on-policy: token", "on-policy: sequence", "off-policy: token", "off-policy: sequence"], rows)
     )
 

@@ -526,7 +526,9 @@ class ToyRLHF(pl.LightningModule):
         if self.kl.spec.base == "full":
             # the exact KL over the vocabulary, from both models' logits (no sampled tokens, so no
             # importance weights); temperature 1, as in the sampling
-            return self.kl(logits, ref_logits, mask)
+            # at the sequence level, the sampled tokens' log-probs carry the KL-to-go term
+            sampled = logprobs if self.kl.level == "sequence" else None
+            return self.kl(logits, ref_logits, mask, sampled_logprob=sampled)
         return self.kl(logprobs, ref_logprobs, mask, old_logprob=old_logprobs)
 
     def advantages(self, batch: dict[str, Tensor]) -> Tensor:

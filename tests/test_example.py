@@ -146,6 +146,18 @@ def test_every_estimator_trains_one_step_in_the_loss(estimator: str, quiet_train
     assert not torch.equal(_params(module.policy), module.start)
 
 
+@pytest.mark.parametrize("estimator", ["k3+", "k1", "full"])
+def test_the_sequence_level_trains_one_step_in_the_loss(estimator: str, quiet_trainer, cache_dir: str):
+    module = _Moved(**TINY_MODEL, cache_dir=cache_dir, kl_estimator=estimator, kl_coef=1.0,
+                    kl_agg="seq-mean-token-sum", kl_level="sequence")
+    trainer = quiet_trainer(fast_dev_run=1)
+    trainer.fit(module, toy.RolloutDataModule(**TINY_DATA, rollouts=1))
+    assert module.kl.level == "sequence"
+    assert torch.isfinite(trainer.callback_metrics["train/loss"])
+    assert torch.isfinite(trainer.callback_metrics["train/kl_response"])
+    assert not torch.equal(_params(module.policy), module.start)
+
+
 @pytest.mark.parametrize("estimator", lk.SAMPLED_ESTIMATORS)  # `full` needs logits, which the batch lacks
 def test_every_sampled_estimator_trains_one_step_in_the_reward(estimator: str, quiet_trainer, cache_dir: str):
     module = _Moved(**TINY_MODEL, cache_dir=cache_dir, kl_estimator=None, advantage="rtg", ppo_epochs=2)
