@@ -90,7 +90,8 @@ each response's :math:`\sum_t \mathrm{out}_t`: ``token-sum`` (the sum of the res
 are empty), ``seq-mean-token-sum-norm`` (a constant divisor, Dr. GRPO), and ``token-mean`` when
 the number of valid tokens per batch does not depend on the samples (fixed-length responses, or a
 fixed ``num_tokens``); with variable lengths ``token-mean`` divides by a random count (for a batch of
-one response it is the length-normalized objective below; the bias shrinks as ``1 / b``).
+one response it is the length-normalized objective below; a ratio estimate whose bias shrinks as
+the batch grows).
 ``seq-mean-token-mean`` optimizes another objective, the length-normalized
 :math:`J = E[\frac{1}{n(y)}\sum_t d_t]` (:math:`n(y)` the response's valid-token count). Its exact
 gradient, :math:`\nabla J = E[\sum_t \nabla\log\pi_t\,(1 + \sum_s d_s) / n(y)]` with the sum over
