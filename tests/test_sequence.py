@@ -554,3 +554,22 @@ def test_fused_kernel_path_gives_the_compositions_result(name, monkeypatch):
         results.append((out.detach(), grad))
     assert_close(results[0][0], results[1][0], rtol=1e-6, atol=1e-6)
     assert_close(results[0][1], results[1][1], rtol=1e-5, atol=1e-6)  # float32: the kernels round differently
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_is_computed_in_float32(dtype):
+    g = torch.Generator().manual_seed(1)
+    lp32 = torch.randn(3, 9, generator=g) - 1
+    ref32, old32 = lp32 + 0.3 * torch.randn(3, 9, generator=g), lp32 + 0.2 * torch.randn(3, 9, generator=g)
+    mask = torch.rand(3, 9, generator=g) > 0.2
+    lp16, ref16, old16 = (x.to(dtype) for x in (lp32, ref32, old32))
+    results = []
+    for lp, ref, old in ((lp16, ref16, old16), (lp16.float(), ref16.float(), old16.float())):
+        lp = lp.clone().requires_grad_()
+        loss = lk.KLPenaltyLoss("k3+", coef=1.0, agg="token-sum", level="sequence")(lp, ref, mask, old_logprob=old)
+        (grad,) = torch.autograd.grad(loss, lp)
+        results.append((loss, grad))
+    (loss16, grad16), (loss32, grad32) = results
+    assert loss16.dtype == torch.float32 and grad16.dtype == dtype
+    assert_close(loss16, loss32)  # the same float32 maths on the same (rounded) inputs
+    assert_close(grad16, grad32.to(dtype))
