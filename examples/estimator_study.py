@@ -416,7 +416,8 @@ class TabularAR:
         return kl.item(), grad
 
 
-def _per_sample(pol: TabularAR, name: str, level: str, mode: str, max_weight: Optional[float] = None):
+def _per_sample(pol: TabularAR, name: str, level: str, mode: str, max_weight: Optional[float] = None,
+                kl_to_go: str = "k1"):
     """The sampler's probabilities ``[n]`` and each response's ``sum_t out_t`` ``[n]`` (differentiable)."""
     lp, ref, old, log_pi, _, log_mu = pol.logprobs()
     sampler = (log_mu if mode == "off" else log_pi).detach().exp()
@@ -426,7 +427,9 @@ def _per_sample(pol: TabularAR, name: str, level: str, mode: str, max_weight: Op
         out = lk.kl_penalty(logits, ref_logits, name, mask=pol.mask, level=level, sampled_logprob=sampled)
         return sampler, out.sum(-1)
     old_logprob = {"on": None, "on-detach": lp.detach(), "off": old}[mode]
-    out = lk.kl_penalty(lp, ref, name, mask=pol.mask, old_logprob=old_logprob, level=level, max_weight=max_weight)
+    extra = {"kl_to_go": kl_to_go} if level == "sequence" else {}
+    out = lk.kl_penalty(lp, ref, name, mask=pol.mask, old_logprob=old_logprob, level=level, max_weight=max_weight,
+                        **extra)
     return sampler, out.sum(-1)
 
 
@@ -481,18 +484,23 @@ def study_sequence_gradients(pol: TabularAR, max_weight: float) -> str:
     )
 
 
-def study_sequence_std(pol: TabularAR, names: tuple[str, ...] = ("k3+", "k2", "k3", "full")) -> str:
-    """(d3) the standard deviation of one response's gradient at each level (the price of exactness)."""
+def study_sequence_std(pol: TabularAR, names: tuple[str, ...] = ("k3+", "k3+ k3", "k2", "k3", "full")) -> str:
+    """(d3) the standard deviation of one response's gradient at each level (the price of exactness).
+
+    ``"k3+ k3"``: ``k3+`` with ``kl_to_go="k3"`` (a control variate for the KL-to-go; the token level
+    is the same as ``k3+``'s).
+    """
     _, grad_kl = pol.exact()
     rows = []
-    for name in names:
-        row = [f"`{name}`"]
+    for label in names:
+        name, kl_to_go = (label.split() + ["k1"])[:2]
+        row = [f"`{name}`" + (f", `kl_to_go=\"{kl_to_go}\"`" if kl_to_go != "k1" else "")]
         for mode in ("on", "off"):
             if (mode == "on" and name == "k3") or (mode == "off" and name == "full"):
                 row += ["—", "—"]
                 continue
             for level in ("token", "sequence"):
-                sampler, per = _per_sample(pol, name, level, mode)
+                sampler, per = _per_sample(pol, name, level, mode, kl_to_go=kl_to_go)
                 grads = torch.stack(
                     [torch.autograd.grad(per[i], pol.theta, retain_graph=True)[0].flatten() for i in range(len(per))]
                 )
@@ -505,6 +513,38 @@ def study_sequence_std(pol: TabularAR, names: tuple[str, ...] = ("k3+", "k2", "k
         "(`k3` needs `old_logprob` to be exact, `full` takes no weights; `full` at the sequence level: the exact "
         "local term and the exact KL of the later positions as the KL-to-go):\n\n"
         + table(["estimator", "on-policy: token", "on-policy: sequence", "off-policy: token", "off-policy: sequence"], rows)
+    )
+
+
+def study_kl_to_go_noise(seed: int, shrinks: tuple[float, ...] = (1.0, 0.3, 0.1)) -> str:
+    """(d3') the KL-to-go's estimator against the noise, as the reference comes closer to the policy.
+
+    The reference's logits are moved toward the policy's, ``ref <- theta + shrink * (ref - theta)``;
+    on-policy, ``k3+`` at the sequence level with ``kl_to_go="k1"`` and ``"k3"``, and ``full``.
+    """
+    rows = []
+    for shrink in shrinks:
+        pol = TabularAR(seed=seed)
+        with torch.no_grad():
+            pol.ref_logits.copy_(pol.theta + shrink * (pol.ref_logits - pol.theta))
+        kl, grad_kl = pol.exact()
+        row = [f"{kl:.4f}"]
+        for name, kl_to_go in (("k3+", "k1"), ("k3+", "k3"), ("full", "k1")):
+            sampler, per = _per_sample(pol, name, "sequence", "on", kl_to_go=kl_to_go)
+            grads = torch.stack(
+                [torch.autograd.grad(per[i], pol.theta, retain_graph=True)[0].flatten() for i in range(len(per))]
+            )
+            mean = (sampler[:, None] * grads).sum(0)
+            err = float((mean - grad_kl.flatten()).norm() / grad_kl.norm())
+            var = (sampler * (grads - mean).square().sum(-1)).sum()
+            std = f"{float(var.sqrt() / grad_kl.norm()):.2f}"
+            row.append(std if err < 1e-9 else f"{std} (biased: {err:.2g})")
+        rows.append(row)
+    return (
+        "**The KL-to-go's noise** (on-policy, sequence level; the reference's logits moved toward the policy's "
+        "to lower the KL; every expected gradient exact): sqrt(E||g - E g||^2) / ||grad KL|| of one response\n\n"
+        + table(["KL(pi || pi_ref) per response", "`k3+` (`kl_to_go=\"k1\"`)", "`k3+`, `kl_to_go=\"k3\"`",
+                 "`full` (exact KL-to-go)"], rows)
     )
 
 
@@ -681,6 +721,7 @@ def main() -> None:
     seq_pol = TabularAR(seed=args.seed)
     print(study_sequence_gradients(seq_pol, args.max_weight), end="\n\n")
     print(study_sequence_std(seq_pol), end="\n\n")
+    print(study_kl_to_go_noise(args.seed), end="\n\n")
     text, curves = sequence_rl(seq_pol, beta=0.5, steps=args.rl_steps, lr=0.05, batch=64, seed=args.seed)
     print(text, end="\n\n")
     print(sequence_figure(curves, args.sequence_figure))

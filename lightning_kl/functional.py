@@ -39,8 +39,9 @@ from lightning_kl.sequence import (
     check_level,
     check_sampled_logprob,
     full_with_kl_to_go,
-    kl_to_go,
+    check_kl_to_go,
     prefix_log_weights,
+    weighted_kl_to_go,
     with_kl_to_go,
 )
 
@@ -55,6 +56,7 @@ def kl_penalty_compute(
     old_logprob: Optional[Tensor] = None,
     max_weight: Optional[float] = None,
     level: str = "token",
+    kl_to_go: str = "k1",
 ) -> Tensor:
     """Per-token estimate in the compute dtype (float32 for half inputs); 0 where ``mask`` is False.
 
@@ -74,7 +76,7 @@ def kl_penalty_compute(
             d = torch.where(mask, d, zero)
         value = estimator_value(spec, d)
     if level == "sequence":
-        return _sequence_level(value, logprob, ref_logprob, spec, mask, old_logprob, max_weight, zero)
+        return _sequence_level(value, logprob, ref_logprob, spec, mask, old_logprob, max_weight, zero, kl_to_go)
     if old_logprob is None:
         return value
     log_w = logprob.to(dtype) - old_logprob.to(dtype)
@@ -92,6 +94,7 @@ def _sequence_level(
     old_logprob: Optional[Tensor],
     max_weight: Optional[float],
     zero: Tensor,
+    kl_to_go: str,
 ) -> Tensor:
     # per-decision weights rho_{1:t} (truncated by max_weight), then the KL-to-go score term
     weight = None
@@ -99,7 +102,7 @@ def _sequence_level(
         log_w = logprob.to(zero.dtype) - old_logprob.to(zero.dtype)
         weight = importance_weight(prefix_log_weights(log_w, mask), spec, max_weight)
         value = weight * value
-    future = kl_to_go(logprob, ref_logprob, mask, weight)
+    future = weighted_kl_to_go(logprob, ref_logprob, mask, weight, kl_to_go)
     return with_kl_to_go(value, logprob, future, mask)
 
 
@@ -201,6 +204,7 @@ def kl_penalty(
     temperature: float = 1.0,
     level: str = "token",
     sampled_logprob: Optional[Tensor] = None,
+    kl_to_go: str = "k1",
 ) -> Tensor:
     r"""Per-token estimate of :math:`\mathrm{KL}(\pi \,\|\, \pi_{\mathrm{ref}})` for sampled tokens.
 
@@ -247,6 +251,9 @@ def kl_penalty(
         sampled_logprob: ``full`` at ``level="sequence"`` only: ``[..., t]`` the policy's log-probs of
             the sampled tokens (differentiable, at the sampling temperature), whose score carries the
             KL-to-go term; the future term is then the exact KL of the later positions.
+        kl_to_go: sampled estimators at ``level="sequence"``: ``"k1"`` (default), the KL-to-go as the
+            sum of the later log-ratios ``d_s``, or ``"k3"``, the sum of their ``k3`` values: the same
+            expectation (exact) with less noise. See :data:`lightning_kl.sequence.KL_TO_GO`.
 
     Returns:
         The per-token estimate, same shape as the inputs, in their (promoted) dtype. Half precision
@@ -271,6 +278,7 @@ def kl_penalty(
     spec = parse_estimator(estimator)
     max_weight = check_max_weight(max_weight)
     sequence = check_level(level) == "sequence"
+    check_kl_to_go(kl_to_go, level, spec.base == "full")
     if spec.base == "full":
         reject_old_logprob(old_logprob)
         mask = check_full_inputs(logprob, ref_logprob, mask)
@@ -288,7 +296,7 @@ def kl_penalty(
     check_old_logprob(old_logprob, logprob)
     mask = check_mask(mask, logprob, "logprob")
     out_dtype = torch.promote_types(logprob.dtype, ref_logprob.dtype)
-    return kl_penalty_compute(logprob, ref_logprob, spec, mask, old_logprob, max_weight, level).to(out_dtype)
+    return kl_penalty_compute(logprob, ref_logprob, spec, mask, old_logprob, max_weight, level, kl_to_go).to(out_dtype)
 
 
 def aggregate(

@@ -22,7 +22,13 @@ from lightning_kl.ground.checks import (
 )
 from lightning_kl.kernels.full import full_kl_compute
 from lightning_kl.metric import KLMetric
-from lightning_kl.sequence import check_level, check_sampled_logprob, check_sequence_agg, full_with_kl_to_go
+from lightning_kl.sequence import (
+    check_kl_to_go,
+    check_level,
+    check_sampled_logprob,
+    check_sequence_agg,
+    full_with_kl_to_go,
+)
 
 __all__ = ["KLPenaltyLoss"]
 
@@ -71,6 +77,8 @@ class KLPenaltyLoss(nn.Module):
             ``old_logprob``). ``agg="seq-mean-token-mean"`` (a length-normalized objective) is
             rejected here; ``token-mean`` is exact when the number of valid tokens per batch is
             fixed. ``full`` then needs ``sampled_logprob`` in forward. See :mod:`lightning_kl.sequence`.
+        kl_to_go: sampled estimators at ``level="sequence"``: ``"k1"`` (default, the sum of the later
+            log-ratios) or ``"k3"`` (the sum of their ``k3`` values: the same expectation, less noise).
 
     With ``estimator="full"``, ``forward(logits, ref_logits, mask)`` takes both models' logits
     ``[b, t, V]`` and a ``[b, t]`` mask, and aggregates the exact per-token KL over the vocabulary
@@ -115,6 +123,7 @@ class KLPenaltyLoss(nn.Module):
         max_weight: Optional[float] = None,
         temperature: float = 1.0,
         level: str = "token",
+        kl_to_go: str = "k1",
     ) -> None:
         super().__init__()
         self.spec = parse_estimator(estimator)
@@ -135,6 +144,7 @@ class KLPenaltyLoss(nn.Module):
         self.level = check_level(level)
         if self.level == "sequence":
             check_sequence_agg(self.agg)
+        self.kl_to_go = check_kl_to_go(kl_to_go, self.level, self.spec.base == "full")
         self.metric = KLMetric()
 
     @property
@@ -168,7 +178,9 @@ class KLPenaltyLoss(nn.Module):
             check_pair(logprob, ref_logprob)
             check_old_logprob(old_logprob, logprob)
             mask = check_mask(mask, logprob, "logprob")
-            kl = kl_penalty_compute(logprob, ref_logprob, self.spec, mask, old_logprob, self.max_weight, self.level)
+            kl = kl_penalty_compute(
+                logprob, ref_logprob, self.spec, mask, old_logprob, self.max_weight, self.level, self.kl_to_go
+            )
         self.metric(kl.detach(), mask)
         return self.coef * self._aggregate(kl, mask)
 
@@ -194,4 +206,6 @@ class KLPenaltyLoss(nn.Module):
             extra += f", temperature={self.temperature}"
         if self.level != "token":
             extra += f", level={self.level!r}"
+        if self.kl_to_go != "k1":
+            extra += f", kl_to_go={self.kl_to_go!r}"
         return f"estimator={self.spec.name!r}, coef={self.coef}, agg={self.agg!r}{extra}"

@@ -65,6 +65,16 @@ and every ``+`` name, and the expected value is the KL for ``k1``, ``k3``, ``k1+
 all, every token :math:`s` enters with the weight of its prefix and itself, :math:`\rho_{1:s}`, in the
 value and in each gradient term :math:`d_s\nabla\log\pi_t` (:math:`t \le s`) that it pays for.
 
+**A less noisy KL-to-go** (``kl_to_go="k3"``): the sum of the later tokens' ``k3`` values,
+:math:`k_3(d_s) = d_s + (e^{-d_s} - 1)`, in place of :math:`d_s`. The added term has expectation 0
+given the prefix, on-policy (:math:`E_\pi[e^{-d_s} - 1 \mid y_{<s}] = \sum \pi_{\mathrm{ref}} - 1 = 0`)
+and off-policy (:math:`E_\mu[\rho_{1:s}(e^{-d_s} - 1) \mid y_{<s}] = \rho_{1:s-1}(\sum \pi_{\mathrm{ref}}
+- 1) = 0`), so the expected gradient stays exact: it is a control variate, which lowers the
+gradient's noise most where the per-token KL is small (``examples/estimator_study.py``). Exact as long
+as the reference puts no mass where the policy puts none and :math:`|d_s| \le 20` (``k3``'s clamp).
+With ``max_weight``, the added term averages to 0 only on the prefixes whose weight is not cut (one
+more term of the dropped-mass bias below).
+
 **Truncation** (``max_weight`` :math:`= c \ge 1`): the cumulative weight is cut,
 :math:`\bar\rho_{1:s} = \min(\rho_{1:s}, c)` (in log space, so nothing overflows), in the value and in
 both gradient terms, and a differentiable :math:`W_t` keeps its gradient (as at the token level).
@@ -125,6 +135,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from lightning_kl.estimators import base_value
 from lightning_kl.ground.checks import check_floating
 
 __all__ = [
@@ -135,7 +146,9 @@ __all__ = [
     "check_sequence_agg",
     "full_with_kl_to_go",
     "future_sum",
-    "kl_to_go",
+    "KL_TO_GO",
+    "check_kl_to_go",
+    "weighted_kl_to_go",
     "prefix_log_weights",
     "with_kl_to_go",
 ]
@@ -145,6 +158,30 @@ LEVELS: tuple[str, ...] = ("token", "sequence")
 
 #: The aggregation modes that keep ``level="sequence"`` exact (see the module's docstring).
 SEQUENCE_AGG_MODES: tuple[str, ...] = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+#: The estimators of the KL-to-go term at the sequence level (``kl_to_go=``): ``"k1"``, the sum of the
+#: later log-ratios :math:`d_s`; ``"k3"``, the sum of their ``k3`` values, the same expectation with
+#: less noise (see the module's docstring).
+KL_TO_GO: tuple[str, ...] = ("k1", "k3")
+
+
+def check_kl_to_go(kl_to_go: object, level: str, full: bool) -> str:
+    """Validate ``kl_to_go``; it only means something for a sampled estimator at the sequence level.
+
+    Raises:
+        ValueError: for an unknown value (listing the valid ones), or ``"k3"`` at the token level or with
+            ``full`` (whose KL-to-go is the exact KL of the later positions).
+    """
+    if not isinstance(kl_to_go, str) or kl_to_go not in KL_TO_GO:
+        valid = ", ".join(repr(v) for v in KL_TO_GO)
+        raise ValueError(f"Unknown `kl_to_go` {kl_to_go!r}. Valid values: {valid} (the estimator of the KL-to-go term).")
+    if kl_to_go != "k1" and (level != "sequence" or full):
+        where = "level='token' has no KL-to-go term" if level != "sequence" else (
+            "'full' uses the exact KL of the later positions"
+        )
+        raise ValueError(f"`kl_to_go={kl_to_go!r}` does not apply here: {where}.")
+    return kl_to_go
 
 
 def check_level(level: object) -> str:
@@ -235,15 +272,23 @@ def prefix_log_weights(log_w: Tensor, mask: Optional[Tensor]) -> Tensor:
     return cum + (log_w - log_w.detach())
 
 
-def kl_to_go(logprob: Tensor, ref_logprob: Tensor, mask: Optional[Tensor], weight: Optional[Tensor] = None) -> Tensor:
-    r"""The detached KL-to-go :math:`\tilde F_t = \sum_{s > t,\ \mathrm{valid}} \rho_{1:s} d_s` (``weight``
-    :math:`= \rho`, or 1), a reversed exclusive cumulative sum along the last dimension.
+def weighted_kl_to_go(
+    logprob: Tensor,
+    ref_logprob: Tensor,
+    mask: Optional[Tensor],
+    weight: Optional[Tensor] = None,
+    estimator: str = "k1",
+) -> Tensor:
+    r"""The detached KL-to-go :math:`\tilde F_t = \sum_{s > t,\ \mathrm{valid}} \rho_{1:s} k_s` (``weight``
+    :math:`= \rho`, or 1), a reversed exclusive cumulative sum along the last dimension, with
+    :math:`k_s = d_s` (``"k1"``) or the ``k3`` value of :math:`d_s` (``"k3"``, see :data:`KL_TO_GO`).
 
     Args:
         logprob, ref_logprob: ``[..., t]`` the sampled tokens' log-probs under the policy and the
             reference.
         mask: optional ``[..., t]`` bool mask; masked positions add nothing (NaN or inf there is never read).
         weight: optional ``[..., t]`` per-decision weights :math:`\bar\rho_{1:s}` (their value is used).
+        estimator: one of :data:`KL_TO_GO`.
 
     Returns:
         ``[..., t]`` in the promoted dtype (at least float32), without gradient.
@@ -251,15 +296,18 @@ def kl_to_go(logprob: Tensor, ref_logprob: Tensor, mask: Optional[Tensor], weigh
     Example:
         >>> lp = torch.tensor([-1.0, -2.0, float("nan"), -1.0])
         >>> ref = torch.tensor([-1.5, -1.0, 0.0, -2.0])
-        >>> kl_to_go(lp, ref, torch.tensor([True, True, False, True]))  # d = 0.5, -1, -, 1
+        >>> weighted_kl_to_go(lp, ref, torch.tensor([True, True, False, True]))  # d = 0.5, -1, -, 1
         tensor([0., 1., 1., 0.])
     """
     dtype = torch.promote_types(torch.promote_types(logprob.dtype, ref_logprob.dtype), torch.float32)
     with torch.no_grad():
         d = logprob.to(dtype) - ref_logprob.to(dtype)
+        if mask is not None:
+            d = torch.where(mask, d, torch.zeros((), dtype=dtype, device=d.device))
+        k = base_value("k3", d) if estimator == "k3" else d
         if weight is not None:
-            d = weight.detach().to(dtype) * d
-        return future_sum(d, mask)
+            k = weight.detach().to(dtype) * k
+        return future_sum(k, mask)
 
 
 def future_sum(values: Tensor, mask: Optional[Tensor]) -> Tensor:
@@ -303,7 +351,7 @@ def with_kl_to_go(value: Tensor, logprob: Tensor, future: Tensor, mask: Optional
     Args:
         value: ``[..., t]`` the weighted per-token estimate (in the compute dtype).
         logprob: ``[..., t]`` the policy's log-probs of the sampled tokens (differentiable).
-        future: ``[..., t]`` :func:`kl_to_go` (detached).
+        future: ``[..., t]`` :func:`weighted_kl_to_go` (detached).
         mask: optional ``[..., t]`` bool mask.
 
     Example:
