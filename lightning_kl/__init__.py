@@ -1,5 +1,6 @@
 """lightning-kl: KL regularization toward a reference model for RL fine-tuning, as Lightning parts."""
 
+from lightning_kl.accumulation import step_totals
 from lightning_kl.callback import KLRewardCallback
 from lightning_kl.controllers import AdaptiveKLController, FixedKLController, KLController
 from lightning_kl.estimators import BASE_ESTIMATORS, ESTIMATORS, SAMPLED_ESTIMATORS, EstimatorSpec, parse_estimator
@@ -28,4 +29,5 @@ __all__ = [
     "full_kl",
     "kl_penalty",
     "parse_estimator",
+    "step_totals",
 ]

@@ -41,7 +41,15 @@ class KLRewardCallback(Callback):
     from before that batch's update.
 
     Logs ``{log_prefix}coef`` (the :math:`\beta` used for this batch) and ``{log_prefix}value`` (the
-    global KL). The controller's state is saved in Lightning checkpoints.
+    global KL; NaN for a global batch with no valid token, which leaves :math:`\beta` unchanged).
+    The controller's state is saved in Lightning checkpoints.
+
+    No host synchronization per step: the coefficient, the reduced statistics and the controller's
+    update stay on the device, and the logged values are tensors that Lightning reads when it logs.
+    A fault found on the device (a non-finite global KL, which leaves :math:`\beta` unchanged; a
+    per-sequence score on a sequence with no valid token, whose score is dropped) is raised as a
+    ``ValueError`` where the host reads anyway: every ``trainer.log_every_n_steps`` batches, at the
+    end of every training epoch, and when a checkpoint saves the callback's state.
 
     **The KL of whole responses.** With ``k1`` and a policy loss that credits each token with the
     rewards *from it on* (reward-to-go, :math:`G_t = \sum_{s \ge t} r_s`, as PPO with returns or
@@ -112,6 +120,7 @@ class KLRewardCallback(Callback):
         self.mask_key = mask_key
         self.rewards_key = rewards_key
         self.log_prefix = log_prefix
+        self._empty_score: Optional[Tensor] = None
 
     @property
     def estimator(self) -> str:
@@ -154,7 +163,9 @@ class KLRewardCallback(Callback):
         with torch.no_grad():
             kl = kl_penalty_compute(logprobs, ref_logprobs, self.spec, mask)
             dtype = compute_dtype(kl, scores) if scores.is_floating_point() else kl.dtype
-            penalty = (self.controller.value * kl).to(dtype)
+            # the coefficient stays a device tensor: no host read; cast first, as a Python float would be
+            coef = self.controller.value_tensor(kl.device).to(kl.dtype)
+            penalty = (coef * kl).to(dtype)
             if scores.shape == kl.shape:
                 rewards = scores.to(dtype) - penalty
             elif scores.shape == kl.shape[:-1]:
@@ -178,15 +189,26 @@ class KLRewardCallback(Callback):
         t = mask.shape[-1]
         positions = torch.arange(t, device=mask.device).expand_as(mask)
         last = torch.where(mask, positions, -1).amax(-1)
-        if bool((last < 0).any()):
-            raise ValueError(
-                f"`{self.scores_key}` is per sequence, but some sequence has no valid token in `{self.mask_key}` "
-                "to carry its score."
-            )
-        return rewards.scatter_add(-1, last.unsqueeze(-1), scores.unsqueeze(-1))
+        # a sequence with no valid token has no place for its score: recorded on the device and
+        # raised where the host reads anyway (see _raise_pending), its score dropped meanwhile
+        empty = (last < 0).any()
+        self._empty_score = empty if self._empty_score is None else self._empty_score | empty
+        scores = torch.where(last < 0, torch.zeros((), dtype=scores.dtype, device=scores.device), scores)
+        return rewards.scatter_add(-1, last.clamp(min=0).unsqueeze(-1), scores.unsqueeze(-1))
 
-    def update_controller(self, kl_sum: float, n_seqs: float) -> Optional[float]:
-        """Update the controller with a global batch's statistics; return its KL (None if empty)."""
+    def update_controller(self, kl_sum: float | Tensor, n_seqs: float | Tensor) -> Optional[float | Tensor]:
+        """Update the controller with a global batch's statistics; return its KL.
+
+        Python numbers: the KL as a float, or None for an empty batch (no update). 0-d tensors: the
+        KL as a float64 tensor on their device (NaN for an empty batch, which changes nothing),
+        with no host read.
+        """
+        if isinstance(kl_sum, Tensor) or isinstance(n_seqs, Tensor):
+            kl_sum = torch.as_tensor(kl_sum, dtype=torch.float64)
+            n_seqs = torch.as_tensor(n_seqs, dtype=torch.float64, device=kl_sum.device)
+            current = kl_sum / n_seqs.clamp(min=1)
+            self.controller.update(current, n_steps=n_seqs)
+            return torch.where(n_seqs >= 1, current, float("nan"))
         n = int(round(n_seqs))
         if n == 0:
             return None
@@ -194,24 +216,45 @@ class KLRewardCallback(Callback):
         self.controller.update(current_kl, n_steps=n)
         return current_kl
 
+    def _raise_pending(self) -> None:
+        """Raise a fault recorded on the device by the steps since the last check (reads the device)."""
+        empty, self._empty_score = self._empty_score, None
+        if empty is not None and bool(empty):
+            raise ValueError(
+                f"`{self.scores_key}` is per sequence, but some sequence has no valid token in `{self.mask_key}` "
+                "to carry its score."
+            )
+        _ = self.controller.value  # reading it raises the controller's recorded fault (a non-finite KL)
+
     # -----------------------------------------------------------------------------------------
     # Lightning hooks
 
     @override
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
-        coef = self.controller.value
+        # everything stays on the device: the coefficient, the reduced statistics, the update and
+        # the logged tensors (Lightning reads them when it logs); no host read in this hook
+        coef = self.controller.value_tensor(pl_module.device)  # the one this batch's rewards use
         rewards, kl_sum, n_seqs = self.shape_rewards(batch)
-        stats = torch.stack([kl_sum, n_seqs])
-        stats = trainer.strategy.reduce(stats, reduce_op="sum")
-        kl_sum_global, n_global = stats.tolist()
-        current_kl = self.update_controller(kl_sum_global, n_global)
+        stats = trainer.strategy.reduce(torch.stack([kl_sum, n_seqs]), reduce_op="sum")
+        current_kl = self.update_controller(stats[0], stats[1])
         batch_size = int(rewards.shape[0]) if rewards.ndim > 1 else 1
         pl_module.log(f"{self.log_prefix}coef", coef, on_step=True, on_epoch=False, batch_size=batch_size)
-        if current_kl is not None:
-            pl_module.log(f"{self.log_prefix}value", current_kl, on_step=True, on_epoch=False, batch_size=batch_size)
+        pl_module.log(f"{self.log_prefix}value", current_kl, on_step=True, on_epoch=False, batch_size=batch_size)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if (batch_idx + 1) % max(1, trainer.log_every_n_steps) == 0:
+            self._raise_pending()  # as often as Lightning's loggers read the logged values
+
+    @override
+    def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._raise_pending()
 
     @override
     def state_dict(self) -> dict[str, Any]:
+        self._raise_pending()  # a checkpoint reads the coefficient: a recorded fault surfaces here
         return {
             "controller_class": type(self.controller).__qualname__,
             "controller": self.controller.state_dict(),

@@ -17,6 +17,13 @@ name (aliases)          value                                       gradient w.r
 
 The gradient with respect to ``ref_logprob`` is the negative of the one with respect to ``logprob``.
 
+**A non-finite log-ratio at a valid token** (``ref_logprob = -inf``: the reference gives the sampled
+token no mass; or a NaN): a base estimator keeps its own value (``k1``: ``d``; ``k3``: the clamped
+value, 19.0 at ``d = +inf``, with a zero gradient; ``low_var_kl``: 10), while every ``NAME+`` value
+is NaN there: its gradient ``d`` is infinite, and a finite value would hide an infinite gradient
+behind a finite loss. The NaN then poisons the loss, where ``Trainer(detect_anomaly=True)`` and the
+logs show it. The small-input composition and the fused kernels give the same, at every size.
+
 One more name, ``full``, is not a sampled-token estimator: it takes both models' logits
 ``[..., V]`` and returns the exact KL over the vocabulary (:mod:`lightning_kl.kernels.full`). Its gradient is
 exact, so ``full+`` is rejected. :data:`SAMPLED_ESTIMATORS` lists every name but ``full``.

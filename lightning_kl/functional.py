@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from lightning_kl.estimators import EstimatorSpec, estimator_value, parse_estimator
+from lightning_kl.estimators import K3_CLAMP, EstimatorSpec, estimator_value, parse_estimator
 from lightning_kl.ground.checks import (
     AGG_MODES,
     check_agg_mode,
@@ -65,6 +65,8 @@ def kl_penalty_compute(
     """
     dtype = compute_dtype(logprob, ref_logprob)
     zero = torch.zeros((), dtype=dtype, device=logprob.device)
+    if level == "token" and old_logprob is not None and spec.base == "k3" and not spec.straight_through:
+        return _off_policy_k3(logprob, ref_logprob, old_logprob, mask, max_weight, dtype)
     if fused.use_fused(spec, logprob):
         # the same maths in one chunked pass each way (set fused.ENABLED = False for the composition)
         value = fused.fused_kl_value(logprob, ref_logprob, spec, mask, dtype)
@@ -101,9 +103,61 @@ def _sequence_level(
     if old_logprob is not None:
         log_w = logprob.to(zero.dtype) - old_logprob.to(zero.dtype)
         weight = importance_weight(prefix_log_weights(log_w, mask), spec, max_weight)
-        value = weight * value
+        if spec.base == "k3" and not spec.straight_through:
+            # the token level's cancellation-free w * k3, with the prefix's log-weight moved into the
+            # sampler's log-prob: lp - (old - sum_{u<t} log w_u) = log rho_{1:t}, gradient of lp alone
+            log_w = torch.where(mask, log_w, zero) if mask is not None else log_w
+            prefix = (log_w.cumsum(-1) - log_w).detach()
+            value = _off_policy_k3(logprob, ref_logprob, old_logprob.to(zero.dtype) - prefix, mask, max_weight, zero.dtype)
+        else:
+            value = weight * value
     future = weighted_kl_to_go(logprob, ref_logprob, mask, weight, kl_to_go)
     return with_kl_to_go(value, logprob, future, mask)
+
+
+def _off_policy_k3(
+    logprob: Tensor,
+    ref_logprob: Tensor,
+    old_logprob: Tensor,
+    mask: Optional[Tensor],
+    max_weight: Optional[float],
+    dtype: torch.dtype,
+) -> Tensor:
+    r"""``w * k3(d)`` with a differentiable weight, its gradient computed without cancellation.
+
+    The product rule gives :math:`\nabla(w\,k_3) = w(e^{-d} + d - 1)\nabla\log w + w(1 - e^{-d})\nabla d`:
+    two terms of size :math:`w e^{-d}` that cancel to the exact :math:`w\,d`, which float32 loses for
+    :math:`d < -12` (-12.0 instead of -16.29 at :math:`d = -18`). Written as
+    :math:`w\,k_3 = w e^{-c} + w(c - 1)` with :math:`w e^{-c} = e^{\log w - c}`, and inside the clamp
+    :math:`\log w - d = \log\pi_{ref} - \log\pi_{old}` free of the policy, the first term carries no
+    gradient to ``logprob`` there and the second carries :math:`w\,c` exactly. The value is still
+    ``w * (expm1(-c) + c)`` (accurate for small ``d``, where the two-term form would cancel); the
+    gradient w.r.t. ``ref_logprob`` and ``old_logprob`` is the product's, too. Not fused: the
+    composition's temporaries, for this one case.
+    """
+    zero = torch.zeros((), dtype=dtype, device=logprob.device)
+    lp, ref, old = logprob.to(dtype), ref_logprob.to(dtype), old_logprob.to(dtype)
+    d, log_w, ref_old = lp - ref, lp - old, ref - old
+    if mask is not None:
+        d, log_w, ref_old = (torch.where(mask, x, zero) for x in (d, log_w, ref_old))
+    log_w = _truncated_log_weight(log_w, max_weight)
+    w = torch.exp(log_w)
+    c = d.clamp(-K3_CLAMP, K3_CLAMP)
+    value = w * (torch.expm1(-c) + c)
+    # log w - c with the gradient of log(pi_ref) - log(pi_old) where the clamp passes d (an exact 0
+    # toward logprob), and of log w - 20 sign(d) (c constant) outside it
+    z = log_w - c
+    inside = (d >= -K3_CLAMP) & (d <= K3_CLAMP)
+    z = torch.where(inside, z.detach() + (ref_old - ref_old.detach()), z)
+    surrogate = torch.exp(z) + w * (c - 1)
+    return value.detach() + (surrogate - surrogate.detach())
+
+
+def _truncated_log_weight(log_w: Tensor, max_weight: Optional[float]) -> Tensor:
+    if max_weight is None:
+        return log_w
+    # the value of min(log w, log c) with the gradient of log w (log w - log w.detach() is an exact 0)
+    return log_w.detach().clamp(max=math.log(max_weight)) + (log_w - log_w.detach())
 
 
 def importance_weight(log_w: Tensor, spec: EstimatorSpec, max_weight: Optional[float] = None) -> Tensor:
@@ -173,10 +227,7 @@ def importance_weight(log_w: Tensor, spec: EstimatorSpec, max_weight: Optional[f
         >>> w.sum().backward(); log_w.grad  # d w / d log w = w: the clipped value, its gradient kept
         tensor([0.3679, 1.0000, 2.0000])
     """
-    if max_weight is not None:
-        # the value of min(log w, log c) with the gradient of log w (log w - log w.detach() is an exact 0)
-        log_w = log_w.detach().clamp(max=math.log(max_weight)) + (log_w - log_w.detach())
-    w = torch.exp(log_w)
+    w = torch.exp(_truncated_log_weight(log_w, max_weight))
     if spec.straight_through or spec.base == "k2":
         return w.detach()
     return w

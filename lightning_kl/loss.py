@@ -7,12 +7,15 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
+from lightning_kl.accumulation import check_accumulate_grad_batches
 from lightning_kl.estimators import parse_estimator
 from lightning_kl.functional import aggregate, aggregate_counts, check_old_logprob, check_pair, kl_penalty_compute
 from lightning_kl.ground.checks import (
     check_agg_mode,
+    check_count,
     check_full_inputs,
     check_mask,
     check_max_weight,
@@ -31,6 +34,9 @@ from lightning_kl.sequence import (
 )
 
 __all__ = ["KLPenaltyLoss"]
+
+# the count each aggregation mode divides by: 0 valid tokens, 1 sequences (the others divide by none)
+_COUNT_OF_MODE = {"token-mean": 0, "seq-mean-token-sum": 1, "seq-mean-token-mean": 1}
 
 
 class KLPenaltyLoss(nn.Module):
@@ -146,6 +152,7 @@ class KLPenaltyLoss(nn.Module):
             check_sequence_agg(self.agg)
         self.kl_to_go = check_kl_to_go(kl_to_go, self.level, self.spec.base == "full")
         self.metric = KLMetric()
+        self._warned_micro_counts = False
 
     @property
     def estimator(self) -> str:
@@ -158,6 +165,10 @@ class KLPenaltyLoss(nn.Module):
         ref_logprob: Tensor,
         mask: Optional[Tensor] = None,
         old_logprob: Optional[Tensor] = None,
+        *,
+        num_tokens: Optional[Tensor | float] = None,
+        num_seqs: Optional[Tensor | float] = None,
+        accumulate_grad_batches: int = 1,
         sampled_logprob: Optional[Tensor] = None,
     ) -> Tensor:
         """The scalar KL loss; ``old_logprob`` (the sampling policy's) importance weights it.
@@ -165,6 +176,16 @@ class KLPenaltyLoss(nn.Module):
         For ``full``, ``logprob`` and ``ref_logprob`` are the logits ``[..., V]``, ``mask`` is ``[...]``;
         at ``level="sequence"`` it also needs ``sampled_logprob`` ``[...]``, the policy's
         (differentiable) log-probs of the sampled tokens (see :mod:`lightning_kl.sequence`).
+
+        Gradient accumulation (``Trainer(accumulate_grad_batches=k)``): give the optimizer step's
+        totals over its ``k`` micro-batches, ``num_tokens`` (valid tokens) and ``num_seqs``
+        (sequences with a valid token), e.g. from :func:`~lightning_kl.step_totals`, and
+        ``accumulate_grad_batches=self.trainer.accumulate_grad_batches``. The loss then divides by
+        the step's totals instead of the micro-batch's and is multiplied by ``k``, which Lightning
+        divides back out, so that the accumulated gradient is that of one batch holding the ``k``
+        micro-batches, in every ``agg`` mode. With ``global_batch=True`` the totals are this
+        process's and are summed over processes (as the micro-batch counts are otherwise). With
+        ``k > 1`` and no total for a mode that divides by one, a warning is given once.
         """
         if self.spec.base == "full":
             reject_old_logprob(old_logprob)
@@ -181,17 +202,45 @@ class KLPenaltyLoss(nn.Module):
             kl = kl_penalty_compute(
                 logprob, ref_logprob, self.spec, mask, old_logprob, self.max_weight, self.level, self.kl_to_go
             )
+        k = check_accumulate_grad_batches(accumulate_grad_batches)
+        given = (num_tokens, num_seqs)
+        for name, n in zip(("num_tokens", "num_seqs"), given):
+            check_count(name, n)
+        self._warn_if_micro_batch_counts(k, given)
         self.metric(kl.detach(), mask)
-        return self.coef * self._aggregate(kl, mask)
+        return self.coef * self._aggregate(kl, mask, given, k)
 
-    def _aggregate(self, kl: Tensor, mask: Optional[Tensor]) -> Tensor:
+    def _warn_if_micro_batch_counts(self, k: int, given: tuple[Any, Any]) -> None:
+        needed = _COUNT_OF_MODE.get(self.agg)
+        if k == 1 or needed is None or given[needed] is not None or self._warned_micro_counts:
+            return
+        self._warned_micro_counts = True
+        name = ("num_tokens", "num_seqs")[needed]
+        rank_zero_warn(
+            f"KLPenaltyLoss(agg={self.agg!r}) is accumulating gradients over {k} micro-batches but got no "
+            f"`{name}`: each micro-batch divides by its own count, so the accumulated gradient weighs the "
+            f"micro-batches equally instead of every {'token' if needed == 0 else 'sequence'} of the optimizer "
+            f"step. Pass the step's totals: `{name}=lk.step_totals(masks)[{name!r}]` (see the README, "
+            "'Running at scale')."
+        )
+
+    def _aggregate(self, kl: Tensor, mask: Optional[Tensor], given: tuple[Any, Any] = (None, None), k: int = 1) -> Tensor:
         counts: dict[str, Any] = {}
+        if any(n is not None for n in given):
+            counts["num_tokens"], counts["num_seqs"] = given
+        world = 1
         if self.global_batch and torch.distributed.is_available() and torch.distributed.is_initialized():
-            counts["world_size"] = torch.distributed.get_world_size()
-            if self.agg in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"):
-                local = aggregate_counts(kl, mask)
+            world = torch.distributed.get_world_size()
+            needed = _COUNT_OF_MODE.get(self.agg)
+            if needed is not None:
+                local = aggregate_counts(kl, mask).to(torch.float64)
+                if given[needed] is not None:
+                    # this process's step total in place of its micro-batch count
+                    local[needed] = torch.as_tensor(given[needed], dtype=torch.float64, device=local.device).reshape(())
                 torch.distributed.all_reduce(local, op=torch.distributed.ReduceOp.SUM)
                 counts["num_tokens"], counts["num_seqs"] = local[0], local[1]
+        # DDP averages over the processes and Lightning divides by k: both factors are undone here
+        counts["world_size"] = world * k
         agg = aggregate(kl, mask, self.agg, norm=self.agg_norm, **counts)
         # times exactly 1 when the loss is finite, NaN when not: a NaN at a valid position then
         # also turns every gradient to NaN, where anomaly detection sees it, even for estimators

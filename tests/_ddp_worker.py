@@ -169,9 +169,83 @@ def fit(root: str, **trainer_kwargs: Any) -> dict[str, Any]:
     return model.record
 
 
+# gradient accumulation under DDP: each rank accumulates ACCUM micro-batches of uneven sizes and
+# token counts (rows of one step's batch of len(ACCUM_LENGTHS) sequences), given its own step totals
+ACCUM = 4
+ACCUM_LENGTHS = (3, 5, 0, 2, 4, 1, 5, 5, 1, 1, 2, 0, 4, 4, 3, 5, 1)  # row -> valid tokens
+ACCUM_ROWS = (
+    ((0,), (1, 2, 3), (4, 5), (6, 7, 8, 9)),  # rank 0: 3 + 7 + 5 + 12 = 27 tokens in 9 sequences
+    ((10, 11), (12,), (13, 14, 15), (16,)),  # rank 1: 2 + 4 + 12 + 1 = 19 tokens in 6 sequences
+)
+
+
+def accum_data() -> dict[str, Tensor]:
+    """The optimizer step's whole batch (float64), NaN in the padding of the reference."""
+    g = torch.Generator().manual_seed(5)
+    b = len(ACCUM_LENGTHS)
+    mask = torch.arange(T).expand(b, T) < torch.tensor(ACCUM_LENGTHS).unsqueeze(-1)
+    logprob = -torch.rand(b, T, generator=g, dtype=torch.float64) * 3
+    ref = -torch.rand(b, T, generator=g, dtype=torch.float64) * 3
+    return {"logprob": logprob, "ref_logprob": _junk_padding(ref, mask, float("nan")), "mask": mask}
+
+
+class AccumProbe(pl.LightningModule):
+    """One parameter per aggregation mode (the log-probs of the whole step's batch); each micro-batch
+    takes its rows. Records the gradient DDP averaged over the ranks' accumulated ones, and the
+    synced metric of the first loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.data = accum_data()
+        self.logprobs = nn.ParameterList([nn.Parameter(self.data["logprob"].clone()) for _ in lk.AGG_MODES])
+        self.losses = nn.ModuleList(
+            [lk.KLPenaltyLoss(GRAD_ESTIMATOR, coef=GRAD_COEF, agg=mode, global_batch=True) for mode in lk.AGG_MODES]
+        )
+        self.record: dict[str, Any] = {"grads": []}
+
+    def train_dataloader(self) -> Any:
+        rows = ACCUM_ROWS[self.global_rank] if self.trainer.world_size > 1 else sum(ACCUM_ROWS, ())
+        totals = lk.step_totals([self.data["mask"][list(r)] for r in rows])  # this rank's
+        return torch.utils.data.DataLoader([{"rows": torch.tensor(r), **totals} for r in rows], batch_size=None)
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        rows, total = batch["rows"], torch.zeros((), dtype=torch.float64)
+        for param, loss_fn in zip(self.logprobs, self.losses):
+            total = total + loss_fn(
+                param[rows],
+                self.data["ref_logprob"][rows],
+                self.data["mask"][rows],
+                num_tokens=batch["num_tokens"],
+                num_seqs=batch["num_seqs"],
+                accumulate_grad_batches=self.trainer.accumulate_grad_batches,
+            )
+        return total
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        self.record["grads"].append([p.grad.tolist() for p in self.logprobs])
+
+    def on_train_end(self) -> None:
+        self.record["metric"] = float(self.losses[0].metric.compute())  # synced over processes
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def fit_accumulation(root: str, **trainer_kwargs: Any) -> dict[str, Any]:
+    """One optimizer step of :class:`AccumProbe` over ``ACCUM`` micro-batches per rank."""
+    model = AccumProbe()
+    trainer = make_quiet_trainer(
+        root, max_epochs=1, accumulate_grad_batches=ACCUM, use_distributed_sampler=False, **trainer_kwargs
+    )
+    trainer.fit(model)
+    return model.record
+
+
 def main(out_dir: str) -> None:
     torch.set_num_threads(1)
     record = fit(out_dir, devices=WORLD, strategy="ddp")
+    # a second fit in the same launch (the process group is reused): one subprocess start in all
+    record["accumulation"] = fit_accumulation(out_dir, devices=WORLD, strategy="ddp")
     with open(os.path.join(out_dir, f"rank{record['rank']}.json"), "w") as f:
         json.dump(record, f)
     # tear the gloo process group down before the interpreter exits: left to interpreter shutdown,

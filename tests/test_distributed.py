@@ -40,6 +40,11 @@ SUM_MODES = ("token-sum", "seq-mean-token-sum-norm")
 def ddp(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("ddp")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    # the worker (and rank 1, which Lightning launches with this environment) must import this
+    # checkout's lightning_kl, not whichever one is installed: `python tests/_ddp_worker.py` puts
+    # tests/ first on the path, not the repository root
+    root = str(WORKER_PATH.parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     for var in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"):
         env.pop(var, None)  # let Lightning choose a free port and launch rank 1 itself
     try:
@@ -212,3 +217,25 @@ def test_aggregate_global_normalizers_written_out() -> None:
     for bad in ({"world_size": 0}, {"world_size": 1.5}, {"num_tokens": -1}, {"num_seqs": float("nan")}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             lk.aggregate(v, m, **bad)
+
+
+def test_accumulation_under_ddp_gives_the_step_batch_gradient(ddp: list[dict[str, Any]]) -> None:
+    # 2 ranks x 4 uneven micro-batches (27 vs 19 tokens, 9 vs 6 sequences, one empty): DDP's average of
+    # the accumulated gradients is the gradient of one call over the step's 17 sequences, in every mode
+    data = worker.accum_data()
+    masks = [[data["mask"][list(r)] for r in rows] for rows in worker.ACCUM_ROWS]
+    assert [int(lk.step_totals(m)["num_tokens"]) for m in masks] == [27, 19]
+    for mode_index, mode in enumerate(lk.AGG_MODES):
+        logprob = data["logprob"].clone().requires_grad_()
+        loss_fn = lk.KLPenaltyLoss(worker.GRAD_ESTIMATOR, coef=worker.GRAD_COEF, agg=mode)
+        loss_fn(logprob, data["ref_logprob"], data["mask"]).backward()
+        assert logprob.grad.abs().sum() > 0
+        for record in ddp:
+            (step,) = record["accumulation"]["grads"]  # one optimizer step
+            got = torch.tensor(step[mode_index], dtype=torch.float64)
+            assert_close(got, logprob.grad, rtol=0, atol=1e-12, msg=lambda m, mode=mode: f"{mode}: {m}")
+    # the loss's metric, synced over the ranks, is the token-mean k3 of the step's batch
+    d = (data["logprob"] - data["ref_logprob"])[data["mask"]]
+    expected = (torch.expm1(-d) + d).mean().to(torch.float32)
+    for record in ddp:
+        assert_close(torch.tensor(record["accumulation"]["metric"], dtype=torch.float32), expected)

@@ -159,18 +159,28 @@ def test_off_policy_without_weights_is_biased(pol):
         assert (grad - grad_kl).norm() > 0.1 * grad_kl.norm(), name
 
 
-@pytest.mark.parametrize("name", ["k1", "k3", "k2", "k3+"])
-def test_the_other_choice_of_detaching_would_be_wrong(pol, name):
-    # the library's choice is the only one of the two that works: flip it by hand and the
-    # expected off-policy gradient is biased
+@pytest.mark.parametrize("name", list(SAMPLED))
+def test_per_sample_gradient_is_the_documented_one(name):
+    # importance_weight's per-sample gradients: w (k + k') for a differentiable weight (k1: w (d + 1),
+    # k3: w d, abs: w (|d| + sign d), low_var_kl: w (k3 + k3') inside its clamp), w d for a detached one
+    # (k2 and every '+'): the other choice of detaching gives w k' or w (k + d) and fails here
     spec = parse_estimator(name)
-    lp = torch.log_softmax(pol.theta, 0)
-    w = (lp - pol.old).exp()
-    flipped = w if (spec.straight_through or spec.base == "k2") else w.detach()
-    k = flipped * estimator_value(spec, lp - pol.ref)
-    (grad,) = torch.autograd.grad((pol.old.exp() * k).sum(), pol.theta)
-    _, grad_kl = exact_kl(pol)
-    assert (grad - grad_kl).norm() > 0.1 * grad_kl.norm()
+    lp = torch.tensor([-1.0, -2.0, -0.3, -4.0, -0.7], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([-1.5, -0.5, -0.3, -1.0, -3.5], dtype=torch.float64)
+    old = torch.tensor([-0.8, -2.4, -0.1, -3.0, -0.2], dtype=torch.float64)
+    (grad,) = torch.autograd.grad(lk.kl_penalty(lp, ref, name, old_logprob=old).sum(), lp)
+    d, w = lp.detach() - ref, torch.exp(lp.detach() - old)
+    k3 = torch.expm1(-d) + d
+    k3_prime = -torch.expm1(-d)
+    per_sample = {
+        "k1": w * (d + 1),
+        "abs": w * (d.abs() + d.sign()),
+        "k2": w * d,
+        "k3": w * d,
+        "low_var_kl": torch.where(k3 <= 10, w * (k3 + k3_prime), w * 10),
+    }
+    want = w * d if spec.straight_through else per_sample[spec.base]
+    assert_close(grad, want, rtol=1e-12, atol=1e-14)
 
 
 # ---------------------------------------------------------------------------------------------

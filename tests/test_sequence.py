@@ -607,3 +607,18 @@ def test_half_precision_is_computed_in_float32(dtype):
     assert loss16.dtype == torch.float32 and grad16.dtype == dtype
     assert_close(loss16, loss32)  # the same float32 maths on the same (rounded) inputs
     assert_close(grad16, grad32.to(dtype))
+
+
+def test_k3_off_policy_keeps_its_precision_far_below_the_reference():
+    # d = -18 at the first token: the product rule's two terms of size w e^18 cancel to w d in float32
+    lp = torch.tensor([[-20.0, -1.0, -2.0]], requires_grad=True)
+    ref = torch.tensor([[-2.0, -1.5, -1.0]])
+    old = torch.tensor([[-20.5, -1.2, -2.1]])
+    grads = {}
+    for name in ("k3", "k3+"):
+        lp.grad = None
+        lk.kl_penalty(lp, ref, name, old_logprob=old, level="sequence").sum().backward()
+        grads[name] = lp.grad.clone()
+    # k3 with a differentiable weight and k3+ with a detached one: the same gradient, token by token
+    assert_close(grads["k3"], grads["k3+"], rtol=1e-5, atol=0)
+    assert grads["k3+"][0, 0] < -16  # rho_1 d_1 + the KL-to-go, with rho_1 = e^0.5

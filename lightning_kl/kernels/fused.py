@@ -22,8 +22,10 @@ whole tensor is one chunk (one kernel per step, in place); that path has not bee
 Semantics are those of the composition, term for term (DESIGN.md's table): ``k3`` is the k3 of ``d``
 clamped to ``[-20, 20]`` with a zero gradient outside, ``low_var_kl`` clamps that to ``[-10, 10]``
 with a zero gradient where clamped (both ends inclusive, as :func:`torch.clamp`'s gradient), ``abs``
-has gradient ``sign(d)`` (0 at 0), ``NAME+`` has the value of ``NAME`` and gradient ``d``; where the
-mask is False the value is 0 and both gradients are exactly 0 whatever the inputs hold (NaN, inf).
+has gradient ``sign(d)`` (0 at 0), ``NAME+`` has the value of ``NAME`` and gradient ``d`` (and the
+value NaN where ``d`` is not finite, as the composition's ``k2 - k2.detach()`` gives: see
+:mod:`lightning_kl.estimators`); where the mask is False the value is 0 and both gradients are
+exactly 0 whatever the inputs hold (NaN, inf).
 Forward values are bitwise those of the composition (same operations in the same order).
 
 Half precision inputs are read chunk by chunk into float32 scratch, so nothing full-size is ever
@@ -110,7 +112,7 @@ def fused_kl_value(
         chunk = CHUNK if logprob.device.type == "cpu" else max(1, logprob.numel())
     if torch.is_grad_enabled() and (logprob.requires_grad or ref_logprob.requires_grad):
         return FusedKLPenalty.apply(logprob, ref_logprob, mask, spec, dtype, chunk)
-    return _forward(logprob, ref_logprob, mask, spec.base, dtype, chunk)
+    return _forward(logprob, ref_logprob, mask, spec.base, spec.straight_through, dtype, chunk)
 
 
 class FusedKLPenalty(torch.autograd.Function):
@@ -127,7 +129,7 @@ class FusedKLPenalty(torch.autograd.Function):
         # the inputs themselves, not d: no full-size temporary outlives the forward
         ctx.save_for_backward(logprob, ref_logprob, mask)
         ctx.spec, ctx.dtype, ctx.chunk = spec, dtype, chunk
-        return _forward(logprob, ref_logprob, mask, spec.base, dtype, chunk)
+        return _forward(logprob, ref_logprob, mask, spec.base, spec.straight_through, dtype, chunk)
 
     @staticmethod
     def backward(ctx, grad: Tensor):  # type: ignore[override]
@@ -275,7 +277,13 @@ def _ones_to_bits(x: Tensor) -> Tensor:
 
 
 def _forward(
-    logprob: Tensor, ref_logprob: Tensor, mask: Optional[Tensor], base: str, dtype: torch.dtype, chunk: int
+    logprob: Tensor,
+    ref_logprob: Tensor,
+    mask: Optional[Tensor],
+    base: str,
+    straight_through: bool,
+    dtype: torch.dtype,
+    chunk: int,
 ) -> Tensor:
     out = torch.empty(logprob.shape, dtype=dtype, device=logprob.device)
     if out.numel() == 0:
@@ -287,6 +295,12 @@ def _forward(
         _d_into(o, lp, ref)
         if m is not None:
             _bits(o).bitwise_and_(_mask_bits(_scratch(scratch[0], o), m))
+        if straight_through:
+            # the composition's straight-through term k2 - k2.detach(): +0.0 where d is finite, NaN
+            # where it is not (inf - inf), so that a '+' name's value is NaN at a valid non-finite d
+            poison = _scratch(scratch[1], o)
+            torch.mul(o, o, out=poison)
+            poison.sub_(poison)
         if base == "abs":
             o.abs_()
         elif base == "k2":
@@ -300,8 +314,10 @@ def _forward(
             o.add_(t)
             if base == "low_var_kl":
                 o.clamp_(-LOW_VAR_KL_CLAMP, LOW_VAR_KL_CLAMP)
+        if straight_through:
+            o.add_(poison)
 
-    n_scratch = 1 if k3 or mask is not None else 0
+    n_scratch = 2 if straight_through else 1 if k3 or mask is not None else 0
     _run(_chunks(chunk, out, logprob, ref_logprob, mask), work, n_scratch, out, dtype)
     return out
 
