@@ -18,6 +18,12 @@ Run ``python examples/estimator_study.py``: it prints markdown tables and writes
     in loss form (backpropagate the estimate) and in reward form (REINFORCE with reward :math:`-k`,
     the estimate detached: gradient :math:`E[k \nabla \log\pi]`), on-policy and off-policy.
 (c) **A figure**: relative bias and standard deviation against the true KL over a range of :math:`\mu`.
+(d) **Whole responses** (``level="sequence"``), on a tabular autoregressive policy enumerated exactly
+    (:class:`TabularAR`): the expected-gradient errors against the gradient of the responses' KL,
+    token vs sequence level, on- and off-policy, per name; the noise of one response's gradient at
+    each level; and RL toward the known optimum :math:`\pi^* \propto \pi_{ref} e^{r/\beta}` with a
+    reward that only a whole response earns, where only the sequence level reaches :math:`\pi^*`
+    (``docs/sequence_study.png``).
 """
 
 from __future__ import annotations
@@ -348,6 +354,293 @@ def study_truncation(pol: Categorical, caps: tuple[float, ...] = (1.0, 1.25, 1.5
 
 
 # ---------------------------------------------------------------------------------------------
+# (d) whole responses: the sequence level
+
+
+class TabularAR:
+    """A tabular autoregressive policy over whole responses, enumerated exactly.
+
+    Vocabulary ``vocab``; token 0 ends a response, which otherwise stops at ``length`` tokens. Every
+    prefix has its own free logits (``theta[prefix]``), the reference and the sampler ``mu`` too.
+    Each of the responses is one row of a right-padded batch.
+    """
+
+    def __init__(self, vocab: int = 3, length: int = 4, seed: int = 0, drift: float = 1.0) -> None:
+        ys: list[tuple[int, ...]] = []
+
+        def grow(prefix: tuple[int, ...]) -> None:
+            for tok in range(vocab):
+                y = prefix + (tok,)
+                (ys.append if tok == 0 or len(y) == length else grow)(y)
+
+        grow(())
+        self.ys = ys
+        prefixes = sorted({y[:t] for y in ys for t in range(len(y))}, key=lambda p: (len(p), p))
+        row = {p: i for i, p in enumerate(prefixes)}
+        g = torch.Generator().manual_seed(seed)
+        shape = (len(prefixes), vocab)
+        self.theta = torch.randn(shape, generator=g, dtype=torch.float64).requires_grad_()
+        self.ref_logits = torch.randn(shape, generator=g, dtype=torch.float64)
+        self.mu_logits = self.theta.detach() + drift * torch.randn(shape, generator=g, dtype=torch.float64)
+        idx = [(i, t, row[y[:t]], tok) for i, y in enumerate(ys) for t, tok in enumerate(y)]
+        self.seq, self.pos, self.rows, self.toks = (torch.tensor(c) for c in zip(*idx))
+        self.mask = torch.zeros(len(ys), length, dtype=torch.bool)
+        self.mask[self.seq, self.pos] = True
+
+    def table(self, logits: Tensor) -> tuple[Tensor, Tensor]:
+        """Per-token log-probs ``[n, length]`` (0 on padding) and per-response ``log p(y)`` ``[n]``."""
+        flat = torch.log_softmax(logits, -1)[self.rows, self.toks]
+        full = torch.zeros(self.mask.shape, dtype=flat.dtype).index_put((self.seq, self.pos), flat)
+        return full, full.sum(-1)
+
+    def logprobs(self) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        lp, log_pi = self.table(self.theta)
+        ref, log_ref = self.table(self.ref_logits)
+        old, log_mu = self.table(self.mu_logits)
+        return lp, ref, old, log_pi, log_ref, log_mu
+
+    def logits(self) -> tuple[Tensor, Tensor]:
+        """Both models' logits ``[n, length, vocab]`` at every valid position (0 on padding)."""
+        shape = (*self.mask.shape, self.theta.shape[1])
+
+        def place(table: Tensor) -> Tensor:
+            return torch.zeros(shape, dtype=table.dtype).index_put((self.seq, self.pos), table[self.rows])
+
+        return place(self.theta), place(self.ref_logits)
+
+    def exact(self) -> tuple[float, Tensor]:
+        """KL(pi || pi_ref) over responses and its gradient."""
+        _, _, _, log_pi, log_ref, _ = self.logprobs()
+        kl = (log_pi.exp() * (log_pi - log_ref)).sum()
+        (grad,) = torch.autograd.grad(kl, self.theta)
+        return kl.item(), grad
+
+
+def _per_sample(pol: TabularAR, name: str, level: str, mode: str, max_weight: Optional[float] = None,
+                kl_to_go: str = "k1"):
+    """The sampler's probabilities ``[n]`` and each response's ``sum_t out_t`` ``[n]`` (differentiable)."""
+    lp, ref, old, log_pi, _, log_mu = pol.logprobs()
+    sampler = (log_mu if mode == "off" else log_pi).detach().exp()
+    if name == "full":  # on-policy only: the exact per-position KL from logits
+        logits, ref_logits = pol.logits()
+        sampled = lp if level == "sequence" else None
+        out = lk.kl_penalty(logits, ref_logits, name, mask=pol.mask, level=level, sampled_logprob=sampled)
+        return sampler, out.sum(-1)
+    old_logprob = {"on": None, "on-detach": lp.detach(), "off": old}[mode]
+    extra = {"kl_to_go": kl_to_go} if level == "sequence" else {}
+    out = lk.kl_penalty(lp, ref, name, mask=pol.mask, old_logprob=old_logprob, level=level, max_weight=max_weight,
+                        **extra)
+    return sampler, out.sum(-1)
+
+
+def study_sequence_gradients(pol: TabularAR, max_weight: float) -> str:
+    """(d1) expected-gradient errors against grad KL(responses), token vs sequence level, per name."""
+    kl, grad_kl = pol.exact()
+    _, _, _, log_pi, _, log_mu = pol.logprobs()
+    log_pi = log_pi.detach()
+    drift = float((log_pi.exp() * (log_pi - log_mu)).sum())
+    rho_max = float((log_pi - log_mu).exp().max())
+
+    def err(grad: Tensor) -> str:
+        e = float((grad - grad_kl).norm() / grad_kl.norm())
+        return "**exact**" if e < 1e-9 else f"{e:.2f}"
+
+    columns = [
+        ("on", None, "on-policy"),
+        ("on-detach", None, "on-policy, `old_logprob=logprob.detach()`"),
+        ("off", None, "off-policy, `old_logprob`"),
+        ("off", max_weight, f"off-policy, `max_weight={max_weight:g}`"),
+    ]
+    names = [*lk.BASE_ESTIMATORS, *[f"{n}+" for n in lk.BASE_ESTIMATORS], "full"]
+    rows, value_rows = [], []
+    for name in names:
+        row, vrow = [f"`{name}`"], [f"`{name}`"]
+        for mode, cap, _ in columns:
+            if name == "full" and mode != "on":  # no importance weights for the exact KL
+                row += ["—", "—"]
+                vrow += ["—"] if cap is None and mode == "off" else []
+                continue
+            for level in ("token", "sequence"):
+                sampler, per = _per_sample(pol, name, level, mode, cap)
+                total = (sampler * per).sum()
+                (grad,) = torch.autograd.grad(total, pol.theta)
+                row.append(err(grad))
+                if level == "sequence" and cap is None and mode != "on-detach":
+                    e = (total.item() - kl) / kl
+                    vrow.append("**exact**" if abs(e) < 1e-9 else f"{e:+.2f}")
+        rows.append(row)
+        value_rows.append(vrow)
+    header = ["estimator"] + [f"{title}: {lvl}" for _, _, title in columns for lvl in ("token", "sequence")]
+    return (
+        f"**Whole responses** (tabular autoregressive policy: vocabulary {pol.theta.shape[1]}, token 0 ends a "
+        f"response, at most {pol.mask.shape[1]} tokens, {len(pol.ys)} responses, free logits per prefix; "
+        f"KL(pi || pi_ref) = {kl:.4f} nats per response; sampler: KL(pi || mu) = {drift:.3f}, "
+        f"rho(y) = pi(y) / mu(y) up to {rho_max:.1f}). Relative error of the expected gradient of the summed "
+        "per-token output against the exact gradient of the responses' KL, by enumeration:\n\n"
+        + table(header, rows)
+        + "\n\nRelative bias of the expected value at the sequence level, sum_t rho_{1:t} k_t "
+        "(the token level's values on-policy):\n\n"
+        + table(["estimator", "on-policy", "off-policy, `old_logprob`"], value_rows)
+    )
+
+
+def study_sequence_std(pol: TabularAR, names: tuple[str, ...] = ("k3+", "k3+ k3", "k2", "k3", "full")) -> str:
+    """(d3) the standard deviation of one response's gradient at each level (the price of exactness).
+
+    ``"k3+ k3"``: ``k3+`` with ``kl_to_go="k3"`` (a control variate for the KL-to-go; the token level
+    is the same as ``k3+``'s).
+    """
+    _, grad_kl = pol.exact()
+    rows = []
+    for label in names:
+        name, kl_to_go = (label.split() + ["k1"])[:2]
+        row = [f"`{name}`" + (f", `kl_to_go=\"{kl_to_go}\"`" if kl_to_go != "k1" else "")]
+        for mode in ("on", "off"):
+            if (mode == "on" and name == "k3") or (mode == "off" and name == "full"):
+                row += ["—", "—"]
+                continue
+            for level in ("token", "sequence"):
+                sampler, per = _per_sample(pol, name, level, mode, kl_to_go=kl_to_go)
+                grads = torch.stack(
+                    [torch.autograd.grad(per[i], pol.theta, retain_graph=True)[0].flatten() for i in range(len(per))]
+                )
+                mean = (sampler[:, None] * grads).sum(0)
+                var = (sampler * (grads - mean).square().sum(-1)).sum()
+                row.append(f"{float(var.sqrt() / grad_kl.norm()):.2f}")
+        rows.append(row)
+    return (
+        "**Noise of one response's gradient**: sqrt(E||g - E g||^2) / ||grad KL||, exact over the responses "
+        "(`k3` needs `old_logprob` to be exact, `full` takes no weights; `full` at the sequence level: the exact "
+        "local term and the exact KL of the later positions as the KL-to-go):\n\n"
+        + table(["estimator", "on-policy: token", "on-policy: sequence", "off-policy: token", "off-policy: sequence"], rows)
+    )
+
+
+def study_kl_to_go_noise(seed: int, shrinks: tuple[float, ...] = (1.0, 0.3, 0.1)) -> str:
+    """(d3') the KL-to-go's estimator against the noise, as the reference comes closer to the policy.
+
+    The reference's logits are moved toward the policy's, ``ref <- theta + shrink * (ref - theta)``;
+    on-policy, ``k3+`` at the sequence level with ``kl_to_go="k1"`` and ``"k3"``, and ``full``.
+    """
+    rows = []
+    for shrink in shrinks:
+        pol = TabularAR(seed=seed)
+        with torch.no_grad():
+            pol.ref_logits.copy_(pol.theta + shrink * (pol.ref_logits - pol.theta))
+        kl, grad_kl = pol.exact()
+        row = [f"{kl:.4f}"]
+        for name, kl_to_go in (("k3+", "k1"), ("k3+", "k3"), ("full", "k1")):
+            sampler, per = _per_sample(pol, name, "sequence", "on", kl_to_go=kl_to_go)
+            grads = torch.stack(
+                [torch.autograd.grad(per[i], pol.theta, retain_graph=True)[0].flatten() for i in range(len(per))]
+            )
+            mean = (sampler[:, None] * grads).sum(0)
+            err = float((mean - grad_kl.flatten()).norm() / grad_kl.norm())
+            var = (sampler * (grads - mean).square().sum(-1)).sum()
+            std = f"{float(var.sqrt() / grad_kl.norm()):.2f}"
+            row.append(std if err < 1e-9 else f"{std} (biased: {err:.2g})")
+        rows.append(row)
+    return (
+        "**The KL-to-go's noise** (on-policy, sequence level; the reference's logits moved toward the policy's "
+        "to lower the KL; every expected gradient exact): sqrt(E||g - E g||^2) / ||grad KL|| of one response\n\n"
+        + table(["KL(pi || pi_ref) per response", "`k3+` (`kl_to_go=\"k1\"`)", "`k3+`, `kl_to_go=\"k3\"`",
+                 "`full` (exact KL-to-go)"], rows)
+    )
+
+
+def sequence_rl(pol: TabularAR, beta: float, steps: int, lr: float, batch: int, seed: int,
+                name: str = "k3+") -> tuple[str, dict[str, list[float]]]:
+    """(d2) RL toward pi* = pi_ref exp(r / beta) / Z with a reward that only a whole response earns.
+
+    Loss per step: REINFORCE on the reward (a batch-mean baseline) plus ``beta`` times the KL
+    estimate, aggregated ``seq-mean-token-sum`` at each level. ``exact``: the expected gradient
+    (enumeration, no sampling noise); ``sampled``: ``batch`` responses drawn from pi each step.
+    Both optimizers are Adam with the same learning rate. Reports KL(pi || pi*) over responses.
+    """
+    reward = torch.tensor([float(len(y) == pol.mask.shape[1] and y[-1] == 1 and y[0] == 2) for y in pol.ys],
+                          dtype=torch.float64)
+    _, _, _, _, log_ref, _ = pol.logprobs()
+    log_star = torch.log_softmax(log_ref + reward / beta, 0)
+    theta0 = pol.theta.detach().clone()
+
+    def kl_star() -> float:
+        with torch.no_grad():
+            _, _, _, log_pi, _, _ = pol.logprobs()
+            return float((log_pi.exp() * (log_pi - log_star)).sum())
+
+    curves: dict[str, list[float]] = {}
+    finals = {}
+    for how in ("exact", "sampled"):
+        for level in ("token", "sequence"):
+            with torch.no_grad():
+                pol.theta.copy_(theta0)
+            opt = torch.optim.Adam([pol.theta], lr=lr)
+            loss_fn = lk.KLPenaltyLoss(name, coef=beta, agg="seq-mean-token-sum", level=level)
+            g = torch.Generator().manual_seed(seed)
+            curve = [kl_star()]
+            for _ in range(steps):
+                lp, ref, _, log_pi, _, _ = pol.logprobs()
+                p = log_pi.detach().exp()
+                if how == "exact":
+                    # E_pi[-r log pi(y)] + beta E_pi[sum_t out_t], the expectation written as weights
+                    pg = -(p * reward * log_pi).sum()
+                    kl_term = beta * (p * lk.kl_penalty(lp, ref, name, mask=pol.mask, level=level).sum(-1)).sum()
+                else:
+                    i = torch.multinomial(p, batch, replacement=True, generator=g)
+                    r = reward[i]
+                    pg = -((r - r.mean()) * log_pi[i]).mean()
+                    kl_term = loss_fn(lp[i], ref[i], pol.mask[i])
+                opt.zero_grad()
+                (pg + kl_term).backward()
+                opt.step()
+                curve.append(kl_star())
+            curves[f"{how}, {level} level"] = curve
+            finals[(how, level)] = (curve[-1], sum(curve[-(steps // 4):]) / (steps // 4))
+    with torch.no_grad():
+        pol.theta.copy_(theta0)
+    log_pi0 = pol.logprobs()[3].detach()
+    start = float((log_pi0.exp() * (log_pi0 - log_star)).sum())
+    p_star = float(log_star.exp()[reward > 0].sum())
+    rows = [[how, level, f"{finals[(how, level)][0]:.2e}", f"{finals[(how, level)][1]:.2e}"]
+            for how in ("exact", "sampled") for level in ("token", "sequence")]
+    text = (
+        f"**RL toward the known optimum** pi* = pi_ref exp(r / beta) / Z (beta = {beta:g}; r(y) = 1 for the "
+        f"responses of full length that start with 2 and end with 1, else 0; pi*(r = 1) = {p_star:.3f}); "
+        f"`{name}` in the loss (`seq-mean-token-sum`) plus REINFORCE on r, Adam lr {lr:g}, {steps} steps; "
+        f"`exact`: the expected gradient by enumeration; `sampled`: {batch} responses from pi per step. "
+        f"KL(pi || pi*) over responses: {start:.3f} at the start; then:\n\n"
+        + table(["gradient", "level", "KL(pi || pi*), last step", "mean over the last quarter"], rows)
+    )
+    return text, curves
+
+
+def sequence_figure(curves: dict[str, list[float]], path: Path) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2), constrained_layout=True)
+    styles = {"token": "C3", "sequence": "C0"}
+    for label, curve in curves.items():
+        level = "sequence" if "sequence" in label else "token"
+        ax.plot(curve, "-" if label.startswith("exact") else ":", color=styles[level], label=label)
+    ax.set_yscale("log")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("KL(pi || pi*) over responses")
+    ax.set_title("k3+ in the loss: only the sequence level reaches pi* = pi_ref exp(r/beta) / Z")
+    ax.legend(fontsize=8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    try:
+        shown = path.resolve().relative_to(Path.cwd().resolve())
+    except ValueError:
+        shown = path
+    return f"Figure written to `{shown}`."
+
+
+# ---------------------------------------------------------------------------------------------
 # (c) the figure
 
 
@@ -405,6 +698,10 @@ def main() -> None:
     parser.add_argument(
         "--figure", type=Path, default=Path(__file__).resolve().parents[1] / "docs" / "estimator_study.png"
     )
+    parser.add_argument(
+        "--sequence-figure", type=Path, default=Path(__file__).resolve().parents[1] / "docs" / "sequence_study.png"
+    )
+    parser.add_argument("--rl-steps", type=int, default=300, help="optimizer steps of the tabular RL in (d)")
     args = parser.parse_args()
     start = time.perf_counter()
     quad = Quadrature()
@@ -417,6 +714,18 @@ def main() -> None:
     print(study_truncation(pol), end="\n\n")
     print("## (c) Figure\n")
     print(figure(quad, args.figure))
+    print("\n## (d) Whole responses: token level and sequence level\n")
+    # thousands of tiny steps: a second intra-op thread only adds waiting (10x slower on a busy 2-core machine)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    seq_pol = TabularAR(seed=args.seed)
+    print(study_sequence_gradients(seq_pol, args.max_weight), end="\n\n")
+    print(study_sequence_std(seq_pol), end="\n\n")
+    print(study_kl_to_go_noise(args.seed), end="\n\n")
+    text, curves = sequence_rl(seq_pol, beta=0.5, steps=args.rl_steps, lr=0.05, batch=64, seed=args.seed)
+    print(text, end="\n\n")
+    print(sequence_figure(curves, args.sequence_figure))
+    torch.set_num_threads(threads)
     print(f"\n(ran in {time.perf_counter() - start:.1f} s)")
 
 

@@ -379,6 +379,8 @@ class ToyRLHF(pl.LightningModule):
         kl_estimator: the KL estimator of the loss (one of ``lightning_kl.ESTIMATORS``), or None
             for no KL in the loss (KL in the reward only, through ``KLRewardCallback``).
         kl_coef, kl_agg: the loss coefficient and aggregation of :class:`lightning_kl.KLPenaltyLoss`.
+        kl_level: ``"token"`` (each token's KL given its prefix) or ``"sequence"`` (the KL of whole
+            responses: the loss adds the KL-to-go gradient term; see :mod:`lightning_kl.sequence`).
         advantage: ``"grpo"`` (returns normalized within each prompt's group) or ``"rtg"``
             (returns-to-go whitened over the batch, so a token is charged only the KL that follows it).
         ppo_epochs, minibatches: optimizer steps per rollout = ``ppo_epochs * minibatches``.
@@ -401,6 +403,7 @@ class ToyRLHF(pl.LightningModule):
         kl_estimator: Optional[str] = "k3+",
         kl_coef: float = 0.3,
         kl_agg: str = "token-mean",
+        kl_level: str = "token",
         advantage: str = "grpo",
         ppo_epochs: int = 1,
         minibatches: int = 1,
@@ -419,7 +422,9 @@ class ToyRLHF(pl.LightningModule):
         self.policy = TinyGPT(d_model, n_layer, n_head, block_size)
         self.ref = TinyGPT(d_model, n_layer, n_head, block_size).requires_grad_(False)
         # built (and the name validated) here, before any training step
-        self.kl = lk.KLPenaltyLoss(kl_estimator, coef=kl_coef, agg=kl_agg) if kl_estimator is not None else None
+        self.kl = (
+            lk.KLPenaltyLoss(kl_estimator, coef=kl_coef, agg=kl_agg, level=kl_level) if kl_estimator is not None else None
+        )
         self.ref_reward = float("nan")
         self.pretrain_seconds = 0.0
         self.reference_path: Optional[Path] = None
@@ -521,7 +526,9 @@ class ToyRLHF(pl.LightningModule):
         if self.kl.spec.base == "full":
             # the exact KL over the vocabulary, from both models' logits (no sampled tokens, so no
             # importance weights); temperature 1, as in the sampling
-            return self.kl(logits, ref_logits, mask)
+            # at the sequence level, the sampled tokens' log-probs carry the KL-to-go term
+            sampled = logprobs if self.kl.level == "sequence" else None
+            return self.kl(logits, ref_logits, mask, sampled_logprob=sampled)
         return self.kl(logprobs, ref_logprobs, mask, old_logprob=old_logprobs)
 
     def advantages(self, batch: dict[str, Tensor]) -> Tensor:
@@ -561,6 +568,8 @@ class ToyRLHF(pl.LightningModule):
         mask = batch["mask"]
         self.log("train/reward", batch["scores"].mean(), prog_bar=True)
         self.log("train/kl", lk.aggregate(batch["true_kl"], mask, "token-mean"), prog_bar=True)
+        # the KL of whole responses: the sum of the exact per-token KLs (its mean over responses is exact)
+        self.log("train/kl_response", lk.aggregate(batch["true_kl"], mask, "seq-mean-token-sum"))
         self.log("train/ref_reward", self.ref_reward)
         self.log("train/loss", loss.detach())
         self.log("train/clipfrac", clipfrac)
@@ -693,6 +702,8 @@ class ToyRLHFCLI(LightningCLI):
             f"  KL     : mean {sum(kl) / len(kl):.4f}, last quarter {last_quarter_mean(series['train/kl']):.4f} "
             "nats/token (exact, from logits)",
         ]
+        if "train/kl_response" in series:
+            lines.append(f"           last quarter {last_quarter_mean(series['train/kl_response']):.4f} nats/response (exact)")
         if target_kl is not None and "kl/value" in series:
             lines.append(
                 f"  control: target {target_kl:g}; KLRewardCallback KL over the last quarter "
@@ -711,7 +722,8 @@ class ToyRLHFCLI(LightningCLI):
     def _estimator_label(self) -> str:
         parts = []
         if isinstance(self.model, ToyRLHF) and self.model.kl is not None:
-            parts.append(f"{self.model.kl.estimator} in the loss")
+            level = ", sequence level" if self.model.kl.level == "sequence" else ""
+            parts.append(f"{self.model.kl.estimator} in the loss{level}")
         for cb in self.trainer.callbacks:
             if isinstance(cb, lk.KLRewardCallback):
                 parts.append(f"{cb.estimator} in the reward ({type(cb.controller).__name__})")

@@ -9,6 +9,7 @@ from lightning_kl.functional import AGG_MODES, aggregate, kl_penalty
 from lightning_kl.kernels.full import full_kl
 from lightning_kl.loss import KLPenaltyLoss
 from lightning_kl.metric import KLMetric
+from lightning_kl.sequence import LEVELS
 
 __version__ = "0.1.0"
 
@@ -23,6 +24,7 @@ __all__ = [
     "KLMetric",
     "KLPenaltyLoss",
     "KLRewardCallback",
+    "LEVELS",
     "SAMPLED_ESTIMATORS",
     "aggregate",
     "full_kl",

@@ -51,6 +51,14 @@ class KLRewardCallback(Callback):
     ``ValueError`` where the host reads anyway: every ``trainer.log_every_n_steps`` batches, at the
     end of every training epoch, and when a checkpoint saves the callback's state.
 
+    **The KL of whole responses.** With ``k1`` and a policy loss that credits each token with the
+    rewards *from it on* (reward-to-go, :math:`G_t = \sum_{s \ge t} r_s`, as PPO with returns or
+    GAE does), the penalty's expected gradient is :math:`-\beta\, E[\sum_t \nabla\log\pi_t
+    \sum_{s \ge t} d_s] = -\beta\,\nabla \mathrm{KL}(\pi \,\|\, \pi_{\mathrm{ref}})` over whole
+    responses: the sequence level of :mod:`lightning_kl.sequence`, with nothing more to do (the whole
+    return on every token is exact too). A loss that credits each token with its own reward only
+    gets the token level. Checked by enumeration in ``tests/test_sequence.py``.
+
     Args:
         estimator: one of :data:`lightning_kl.SAMPLED_ESTIMATORS` (``k1`` is the usual choice in the
             reward); ``full`` is rejected: the callback reads sampled-token log-probs, not logits.

@@ -35,8 +35,18 @@ from lightning_kl.ground.checks import (
 )
 from lightning_kl.kernels import fused
 from lightning_kl.kernels.full import full_kl_compute
+from lightning_kl.sequence import (
+    check_level,
+    check_sampled_logprob,
+    full_with_kl_to_go,
+    check_kl_to_go,
+    prefix_log_weights,
+    weighted_kl_to_go,
+    with_kl_to_go,
+)
 
 __all__ = ["AGG_MODES", "aggregate", "aggregate_counts", "importance_weight", "kl_penalty", "kl_penalty_compute"]
+
 
 def kl_penalty_compute(
     logprob: Tensor,
@@ -45,15 +55,17 @@ def kl_penalty_compute(
     mask: Optional[Tensor],
     old_logprob: Optional[Tensor] = None,
     max_weight: Optional[float] = None,
+    level: str = "token",
+    kl_to_go: str = "k1",
 ) -> Tensor:
     """Per-token estimate in the compute dtype (float32 for half inputs); 0 where ``mask`` is False.
 
     The single dispatch point of every caller (the function, the loss, the callback). Inputs are
-    checked by the caller.
+    checked by the caller. ``level="sequence"``: see :mod:`lightning_kl.sequence`.
     """
     dtype = compute_dtype(logprob, ref_logprob)
     zero = torch.zeros((), dtype=dtype, device=logprob.device)
-    if old_logprob is not None and spec.base == "k3" and not spec.straight_through:
+    if level == "token" and old_logprob is not None and spec.base == "k3" and not spec.straight_through:
         return _off_policy_k3(logprob, ref_logprob, old_logprob, mask, max_weight, dtype)
     if fused.use_fused(spec, logprob):
         # the same maths in one chunked pass each way (set fused.ENABLED = False for the composition)
@@ -65,12 +77,42 @@ def kl_penalty_compute(
             # the gradient (where() routes an exact 0 gradient to the unselected inputs)
             d = torch.where(mask, d, zero)
         value = estimator_value(spec, d)
+    if level == "sequence":
+        return _sequence_level(value, logprob, ref_logprob, spec, mask, old_logprob, max_weight, zero, kl_to_go)
     if old_logprob is None:
         return value
     log_w = logprob.to(dtype) - old_logprob.to(dtype)
     if mask is not None:
         log_w = torch.where(mask, log_w, zero)
     return importance_weight(log_w, spec, max_weight) * value
+
+
+def _sequence_level(
+    value: Tensor,
+    logprob: Tensor,
+    ref_logprob: Tensor,
+    spec: EstimatorSpec,
+    mask: Optional[Tensor],
+    old_logprob: Optional[Tensor],
+    max_weight: Optional[float],
+    zero: Tensor,
+    kl_to_go: str,
+) -> Tensor:
+    # per-decision weights rho_{1:t} (truncated by max_weight), then the KL-to-go score term
+    weight = None
+    if old_logprob is not None:
+        log_w = logprob.to(zero.dtype) - old_logprob.to(zero.dtype)
+        weight = importance_weight(prefix_log_weights(log_w, mask), spec, max_weight)
+        if spec.base == "k3" and not spec.straight_through:
+            # the token level's cancellation-free w * k3, with the prefix's log-weight moved into the
+            # sampler's log-prob: lp - (old - sum_{u<t} log w_u) = log rho_{1:t}, gradient of lp alone
+            log_w = torch.where(mask, log_w, zero) if mask is not None else log_w
+            prefix = (log_w.cumsum(-1) - log_w).detach()
+            value = _off_policy_k3(logprob, ref_logprob, old_logprob.to(zero.dtype) - prefix, mask, max_weight, zero.dtype)
+        else:
+            value = weight * value
+    future = weighted_kl_to_go(logprob, ref_logprob, mask, weight, kl_to_go)
+    return with_kl_to_go(value, logprob, future, mask)
 
 
 def _off_policy_k3(
@@ -211,6 +253,9 @@ def kl_penalty(
     old_logprob: Optional[Tensor] = None,
     max_weight: Optional[float] = None,
     temperature: float = 1.0,
+    level: str = "token",
+    sampled_logprob: Optional[Tensor] = None,
+    kl_to_go: str = "k1",
 ) -> Tensor:
     r"""Per-token estimate of :math:`\mathrm{KL}(\pi \,\|\, \pi_{\mathrm{ref}})` for sampled tokens.
 
@@ -245,14 +290,30 @@ def kl_penalty(
         temperature: ``full`` only: the policy's sampling temperature ``T > 0`` in
             ``softmax(logits / T)``. Sampled estimators take log-probs already computed at the
             sampling temperature, so any other value than 1 is an error for them.
+        level: ``"token"`` (default): each token's KL given its prefix. ``"sequence"``: the KL of
+            whole responses along the last dimension. The values are the token level's on-policy
+            (``rho_{1:t}`` times them with ``old_logprob``: per-decision weights), and the gradient
+            gains the KL-to-go term ``grad log pi_t * sum_{s > t} d_s`` of every valid token, so
+            that the expected gradient is that of the responses' KL for ``k2`` and every ``+`` name
+            (and ``k1``, ``k3`` with ``old_logprob``); aggregate with ``token-sum``,
+            ``seq-mean-token-sum`` or ``seq-mean-token-sum-norm`` (``token-mean`` when the token
+            count is fixed). Derivations: :mod:`lightning_kl.sequence`. With ``full`` (on-policy) it
+            needs ``sampled_logprob``.
+        sampled_logprob: ``full`` at ``level="sequence"`` only: ``[..., t]`` the policy's log-probs of
+            the sampled tokens (differentiable, at the sampling temperature), whose score carries the
+            KL-to-go term; the future term is then the exact KL of the later positions.
+        kl_to_go: sampled estimators at ``level="sequence"``: ``"k1"`` (default), the KL-to-go as the
+            sum of the later log-ratios ``d_s``, or ``"k3"``, the sum of their ``k3`` values: the same
+            expectation (exact) with less noise. See :data:`lightning_kl.sequence.KL_TO_GO`.
 
     Returns:
         The per-token estimate, same shape as the inputs, in their (promoted) dtype. Half precision
         inputs are computed in float32 and the result is cast back.
 
     Raises:
-        ValueError: for an unknown estimator name, a bad ``max_weight``, or shapes that do not
-            match (both are named).
+        ValueError: for an unknown estimator name or level, a bad ``max_weight``, ``full`` at
+            ``level="sequence"`` without ``sampled_logprob`` (or it anywhere else), or shapes that do
+            not match (both are named).
         TypeError: for inputs that are not floating point tensors.
 
     Example:
@@ -267,17 +328,26 @@ def kl_penalty(
     """
     spec = parse_estimator(estimator)
     max_weight = check_max_weight(max_weight)
+    sequence = check_level(level) == "sequence"
+    check_kl_to_go(kl_to_go, level, spec.base == "full")
     if spec.base == "full":
         reject_old_logprob(old_logprob)
         mask = check_full_inputs(logprob, ref_logprob, mask)
+        sampled_logprob = check_sampled_logprob(sampled_logprob, logprob, sequence)
         out_dtype = torch.promote_types(logprob.dtype, ref_logprob.dtype)
-        return full_kl_compute(logprob, ref_logprob, mask, temperature).to(out_dtype)
+        kl = full_kl_compute(logprob, ref_logprob, mask, temperature)
+        if sampled_logprob is not None:
+            kl = full_with_kl_to_go(kl, sampled_logprob, mask)
+        return kl.to(out_dtype)
+    check_sampled_logprob(sampled_logprob, logprob, False)
+    if sequence and isinstance(logprob, Tensor) and logprob.ndim == 0:
+        raise ValueError("level='sequence' needs a token dimension (the last one), got a scalar `logprob`.")
     check_sampled_temperature(temperature, spec.name)
     check_pair(logprob, ref_logprob)
     check_old_logprob(old_logprob, logprob)
     mask = check_mask(mask, logprob, "logprob")
     out_dtype = torch.promote_types(logprob.dtype, ref_logprob.dtype)
-    return kl_penalty_compute(logprob, ref_logprob, spec, mask, old_logprob, max_weight).to(out_dtype)
+    return kl_penalty_compute(logprob, ref_logprob, spec, mask, old_logprob, max_weight, level, kl_to_go).to(out_dtype)
 
 
 def aggregate(

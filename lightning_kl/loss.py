@@ -25,6 +25,13 @@ from lightning_kl.ground.checks import (
 )
 from lightning_kl.kernels.full import full_kl_compute
 from lightning_kl.metric import KLMetric
+from lightning_kl.sequence import (
+    check_kl_to_go,
+    check_level,
+    check_sampled_logprob,
+    check_sequence_agg,
+    full_with_kl_to_go,
+)
 
 __all__ = ["KLPenaltyLoss"]
 
@@ -68,6 +75,16 @@ class KLPenaltyLoss(nn.Module):
         temperature: ``estimator="full"`` only: the policy's sampling temperature ``T > 0``; the
             KL is that of ``softmax(logits / T)`` to ``softmax(ref_logits / T)``. Any value but 1
             with a sampled estimator is an error (their log-probs carry the temperature already).
+        level: ``"token"`` (default) or ``"sequence"``: the KL of whole responses along the last
+            dimension. Same values on-policy (per-decision weights ``rho_{1:t}`` off-policy), plus
+            the KL-to-go gradient term ``grad log pi_t * sum_{s > t} d_s`` for every valid token,
+            weighted like token ``t`` by ``agg``: the expected gradient is then that of the
+            responses' KL for ``k2`` and every ``+`` name (``k1``, ``k3`` too with
+            ``old_logprob``). ``agg="seq-mean-token-mean"`` (a length-normalized objective) is
+            rejected here; ``token-mean`` is exact when the number of valid tokens per batch is
+            fixed. ``full`` then needs ``sampled_logprob`` in forward. See :mod:`lightning_kl.sequence`.
+        kl_to_go: sampled estimators at ``level="sequence"``: ``"k1"`` (default, the sum of the later
+            log-ratios) or ``"k3"`` (the sum of their ``k3`` values: the same expectation, less noise).
 
     With ``estimator="full"``, ``forward(logits, ref_logits, mask)`` takes both models' logits
     ``[b, t, V]`` and a ``[b, t]`` mask, and aggregates the exact per-token KL over the vocabulary
@@ -85,7 +102,8 @@ class KLPenaltyLoss(nn.Module):
     that ``Trainer(detect_anomaly=True)`` stops at it.
 
     Raises:
-        ValueError: at construction, for an unknown estimator or mode or a bad ``coef`` or ``max_weight``; in forward,
+        ValueError: at construction, for an unknown estimator, mode or level, a bad ``coef`` or
+            ``max_weight``, or a mode that does not fit ``level="sequence"``; in forward,
             for shapes that do not match (both are named).
 
     Example:
@@ -110,6 +128,8 @@ class KLPenaltyLoss(nn.Module):
         global_batch: bool = False,
         max_weight: Optional[float] = None,
         temperature: float = 1.0,
+        level: str = "token",
+        kl_to_go: str = "k1",
     ) -> None:
         super().__init__()
         self.spec = parse_estimator(estimator)
@@ -127,6 +147,10 @@ class KLPenaltyLoss(nn.Module):
         self.temperature = check_temperature(temperature)
         if self.spec.base != "full":
             check_sampled_temperature(self.temperature, self.spec.name)
+        self.level = check_level(level)
+        if self.level == "sequence":
+            check_sequence_agg(self.agg)
+        self.kl_to_go = check_kl_to_go(kl_to_go, self.level, self.spec.base == "full")
         self.metric = KLMetric()
         self._warned_micro_counts = False
 
@@ -145,10 +169,13 @@ class KLPenaltyLoss(nn.Module):
         num_tokens: Optional[Tensor | float] = None,
         num_seqs: Optional[Tensor | float] = None,
         accumulate_grad_batches: int = 1,
+        sampled_logprob: Optional[Tensor] = None,
     ) -> Tensor:
         """The scalar KL loss; ``old_logprob`` (the sampling policy's) importance weights it.
 
-        For ``full``, ``logprob`` and ``ref_logprob`` are the logits ``[..., V]``, ``mask`` is ``[...]``.
+        For ``full``, ``logprob`` and ``ref_logprob`` are the logits ``[..., V]``, ``mask`` is ``[...]``;
+        at ``level="sequence"`` it also needs ``sampled_logprob`` ``[...]``, the policy's
+        (differentiable) log-probs of the sampled tokens (see :mod:`lightning_kl.sequence`).
 
         Gradient accumulation (``Trainer(accumulate_grad_batches=k)``): give the optimizer step's
         totals over its ``k`` micro-batches, ``num_tokens`` (valid tokens) and ``num_seqs``
@@ -163,12 +190,18 @@ class KLPenaltyLoss(nn.Module):
         if self.spec.base == "full":
             reject_old_logprob(old_logprob)
             mask = check_full_inputs(logprob, ref_logprob, mask)
+            sampled_logprob = check_sampled_logprob(sampled_logprob, logprob, self.level == "sequence")
             kl = full_kl_compute(logprob, ref_logprob, mask, self.temperature)
+            if sampled_logprob is not None:
+                kl = full_with_kl_to_go(kl, sampled_logprob, mask)
         else:
+            check_sampled_logprob(sampled_logprob, logprob, False)
             check_pair(logprob, ref_logprob)
             check_old_logprob(old_logprob, logprob)
             mask = check_mask(mask, logprob, "logprob")
-            kl = kl_penalty_compute(logprob, ref_logprob, self.spec, mask, old_logprob, self.max_weight)
+            kl = kl_penalty_compute(
+                logprob, ref_logprob, self.spec, mask, old_logprob, self.max_weight, self.level, self.kl_to_go
+            )
         k = check_accumulate_grad_batches(accumulate_grad_batches)
         given = (num_tokens, num_seqs)
         for name, n in zip(("num_tokens", "num_seqs"), given):
@@ -220,4 +253,8 @@ class KLPenaltyLoss(nn.Module):
             extra += f", max_weight={self.max_weight}"
         if self.temperature != 1.0:
             extra += f", temperature={self.temperature}"
+        if self.level != "token":
+            extra += f", level={self.level!r}"
+        if self.kl_to_go != "k1":
+            extra += f", kl_to_go={self.kl_to_go!r}"
         return f"estimator={self.spec.name!r}, coef={self.coef}, agg={self.agg!r}{extra}"

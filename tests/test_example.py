@@ -17,7 +17,7 @@ import lightning_kl as lk
 pytestmark = pytest.mark.filterwarnings("ignore:Your `IterableDataset` has `__len__` defined")
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-CONFIG_NAMES = ("grpo_k3plus", "ppo_adaptive_k1", "ppo_fixed_k1")
+CONFIG_NAMES = ("grpo_k3plus", "grpo_k3plus_seq", "ppo_adaptive_k1", "ppo_fixed_k1")
 CONFIGS = [EXAMPLES / "configs" / f"{name}.yaml" for name in CONFIG_NAMES]
 
 
@@ -75,8 +75,9 @@ def test_config_fast_dev_run(config: Path, tmp_path: Path, cache_dir: str):
     assert not torch.equal(_params(module.policy), _params(module.ref))
     assert torch.isfinite(trainer.callback_metrics["train/loss"])
     reward_cbs = [cb for cb in trainer.callbacks if isinstance(cb, lk.KLRewardCallback)]
-    if config.stem == "grpo_k3plus":
+    if config.stem.startswith("grpo_k3plus"):
         assert module.kl.estimator == "k3+" and module.hparams.advantage == "grpo" and not reward_cbs
+        assert module.kl.level == ("sequence" if config.stem.endswith("_seq") else "token")
         assert "train/kl_est" in trainer.callback_metrics
     else:
         assert module.kl is None and module.hparams.ppo_epochs == 2
@@ -142,6 +143,18 @@ def test_every_estimator_trains_one_step_in_the_loss(estimator: str, quiet_train
     assert module.kl.estimator == estimator
     assert torch.isfinite(trainer.callback_metrics["train/loss"])
     assert torch.isfinite(trainer.callback_metrics["train/kl_est"])
+    assert not torch.equal(_params(module.policy), module.start)
+
+
+@pytest.mark.parametrize("estimator", ["k3+", "k1", "full"])
+def test_the_sequence_level_trains_one_step_in_the_loss(estimator: str, quiet_trainer, cache_dir: str):
+    module = _Moved(**TINY_MODEL, cache_dir=cache_dir, kl_estimator=estimator, kl_coef=1.0,
+                    kl_agg="seq-mean-token-sum", kl_level="sequence")
+    trainer = quiet_trainer(fast_dev_run=1)
+    trainer.fit(module, toy.RolloutDataModule(**TINY_DATA, rollouts=1))
+    assert module.kl.level == "sequence"
+    assert torch.isfinite(trainer.callback_metrics["train/loss"])
+    assert torch.isfinite(trainer.callback_metrics["train/kl_response"])
     assert not torch.equal(_params(module.policy), module.start)
 
 
