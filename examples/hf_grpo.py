@@ -309,8 +309,10 @@ class HFGRPO(pl.LightningModule):
         cache_dir: where the pretrained reference is cached, one file per configuration.
         lora_r, lora_alpha, lora_targets: the LoRA adapters (``peft.LoraConfig``).
         lr: the RL learning rate (AdamW, adapters only).
-        kl_estimator, kl_coef, kl_agg, kl_level: :class:`lightning_kl.KLPenaltyLoss` (``kl_coef: 0``
-            keeps the KL out of the loss but still measures it).
+        kl_estimator, kl_coef, kl_agg, kl_level, kl_to_go: :class:`lightning_kl.KLPenaltyLoss`
+            (``kl_coef: 0`` keeps the KL out of the loss but still measures it). At ``level="sequence"``
+            the loss's expected gradient is that of the KL of whole responses; ``seq-mean-token-sum``
+            makes the term ``coef`` times the mean KL per response, exact for responses of any length.
         clip_eps: the ratio clip (GRPO/PPO); bites only if a rollout is used for more than one step.
     """
 
@@ -332,9 +334,10 @@ class HFGRPO(pl.LightningModule):
         lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
         lr: float = 3e-3,
         kl_estimator: str = "k3+",
-        kl_coef: float = 1.0,
-        kl_agg: str = "token-mean",
-        kl_level: str = "token",
+        kl_coef: float = 0.3,
+        kl_agg: str = "seq-mean-token-sum",
+        kl_level: str = "sequence",
+        kl_to_go: str = "k1",
         clip_eps: float = 0.2,
     ) -> None:
         super().__init__()
@@ -344,8 +347,7 @@ class HFGRPO(pl.LightningModule):
             raise ValueError(f"`pretrain_steps` must be an integer >= 0, got {pretrain_steps!r}.")
         self.save_hyperparameters()
         # the estimator name, coefficient, mode and level are validated here, before any step
-        level = {} if kl_level == "token" else {"level": kl_level}
-        self.kl = lk.KLPenaltyLoss(kl_estimator, coef=kl_coef, agg=kl_agg, **level)
+        self.kl = lk.KLPenaltyLoss(kl_estimator, coef=kl_coef, agg=kl_agg, level=kl_level, kl_to_go=kl_to_go)
         if self.kl.spec.base == "full":
             raise ValueError(
                 "`kl_estimator` 'full' needs both models' logits in training_step; this example passes "
