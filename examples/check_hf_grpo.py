@@ -74,7 +74,10 @@ def summarize(log_dir: Path, seconds: float) -> dict:
 
 
 def plot_runs(runs: dict[str, dict], out: Path) -> None:
-    """Accuracy and exact KL per response against the seconds of RL, every run in both panels."""
+    """Accuracy and exact KL per response against the rollout, every run in both panels.
+
+    Against rollouts rather than seconds: on shared cores, the same run's speed varies with the load.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -82,16 +85,16 @@ def plot_runs(runs: dict[str, dict], out: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     for name, r in runs.items():
-        secs = [row["train/elapsed_s"] for row in r["rows"]]
-        axes[0].plot(secs, [row["train/acc"] for row in r["rows"]], label=name, alpha=0.85)
-        axes[1].plot(secs, [row["train/kl_seq"] for row in r["rows"]], label=name, alpha=0.85)
+        steps = list(range(1, len(r["rows"]) + 1))
+        axes[0].plot(steps, [row["train/acc"] for row in r["rows"]], label=name, alpha=0.85)
+        axes[1].plot(steps, [row["train/kl_seq"] for row in r["rows"]], label=name, alpha=0.85)
     ref = next(iter(runs.values()))["ref_acc"]
     axes[0].axhline(ref, color="gray", ls="--", label="reference (adapters off)")
     axes[0].set_ylim(0, 1)
     axes[0].set_title("accuracy of sampled answers")
     axes[1].set_title("exact KL(policy || reference) per response, nats")
     for ax in axes:
-        ax.set_xlabel("seconds of RL")
+        ax.set_xlabel("rollout (one GRPO step each)")
         ax.legend()
     fig.tight_layout()
     fig.savefig(out, dpi=100)
