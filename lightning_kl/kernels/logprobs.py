@@ -1,0 +1,346 @@
+r"""Token log-probabilities at vocabulary scale, exact, without ``[n, V]`` float32 copies.
+
+Notation: ``n`` tokens (flattened leading dims), ``V`` the vocabulary, ``d`` the hidden size. For
+logits :math:`z \in \mathbb{R}^V` of one token, its target id :math:`y` and the temperature :math:`T`:
+
+.. math::
+    \ell = \frac{z_y}{T} - \operatorname{lse}\Big(\frac{z}{T}\Big), \qquad
+    \frac{\partial \ell}{\partial z_i} = \frac{[i = y] - p_i}{T}, \quad p = \operatorname{softmax}(z / T)
+
+and from hidden states :math:`h \in \mathbb{R}^d` and the head :math:`z = W h + b` (``W`` ``[V, d]``),
+with :math:`G = \partial\mathcal{L}/\partial z` (``[n, V]``, never held whole):
+:math:`\partial\mathcal{L}/\partial h = G W`, :math:`\partial\mathcal{L}/\partial W = G^\top h`,
+:math:`\partial\mathcal{L}/\partial b = \sum_{\text{rows}} G`.
+
+* From logits (:func:`token_logprobs_kernel`): chunks of rows. The forward keeps only the per-row
+  log-sum-exp (float32, or float64 for float64 logits); the backward reads each chunk again,
+  recomputes its softmax and writes that chunk of the gradient once, in the logits' dtype.
+* From hidden states (:func:`token_logprobs_from_hidden_kernel`): blocks of rows times tiles of the
+  vocabulary, so that a tile's matmul has many rows (the head is read once per block, not once
+  per few rows) and its ``[rows, tile]`` logits stay small. The forward combines the tiles'
+  log-sum-exps; the backward recomputes each tile's logits and turns them into the three
+  gradients: a tile owns its rows of ``dW`` and ``db``, and adds its share of ``dh``.
+
+Ignored tokens (``ignored`` True) have value 0 and exactly zero gradient, even if their logits hold
+NaN. Ids are checked by the caller.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, Optional, TypeVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from lightning_kl.kernels.rows import Rows
+
+__all__ = [
+    "CPU_CHUNK_ELEMENTS",
+    "CUDA_CHUNK_ELEMENTS",
+    "HIDDEN_BLOCK_ROWS",
+    "HIDDEN_CPU_TILE_ELEMENTS",
+    "HIDDEN_CUDA_TILE_ELEMENTS",
+    "token_logprobs_from_hidden_kernel",
+    "token_logprobs_kernel",
+]
+
+# From logits: elements per chunk of rows (rows = elements // V, at least 1). On CPU a chunk's
+# float32 temporaries stay in cache, so only the logits and their gradient go through main memory;
+# on GPU a chunk only has to fill the device.
+CPU_CHUNK_ELEMENTS = 2**19
+CUDA_CHUNK_ELEMENTS = 2**25
+
+# From hidden states: rows per block (the head is read once per block and per pass) and elements
+# per [rows, vocab tile] of logits. 1024 x 4096 float32 is 16 MiB per CPU worker thread.
+HIDDEN_BLOCK_ROWS = 4096
+HIDDEN_CPU_TILE_ELEMENTS = 2**22
+HIDDEN_CUDA_TILE_ELEMENTS = 2**26
+
+_T = TypeVar("_T")
+
+
+def _run_chunks(work: Callable[[_T, Any], None], items: Sequence[_T], device: torch.device) -> None:
+    # stand-in for the package's chunk runner (lightning_kl/ground/chunks.py: run_chunks)
+    for item in items:
+        work(item, None)
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _slices(n: int, size: int) -> list[slice]:
+    return [slice(s, min(s + size, n)) for s in range(0, n, size)]
+
+
+# ---------------------------------------------------------------------------------------------
+# from logits
+
+
+def token_logprobs_kernel(
+    logits: Tensor,
+    ids: Tensor,
+    ignored: Optional[Tensor],
+    temperature: float,
+    chunk_size: Optional[int],
+) -> Tensor:
+    """Log-probs of ``ids [n]`` (int64, in range) under ``logits [..., V]``, shaped ``[...]``; checked inputs.
+
+    ``ignored`` is None or ``[n]`` bool; ``chunk_size`` rows per chunk or None for the default.
+    """
+    return _TokenLogprobs.apply(logits, ids, ignored, temperature, chunk_size)
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        logits: Tensor,
+        ids: Tensor,
+        ignored: Optional[Tensor],
+        temperature: float,
+        chunk_size: Optional[int],
+    ) -> Tensor:
+        src = Rows(logits)
+        vocab = logits.shape[-1]
+        n = ids.numel()
+        dtype = _compute_dtype(logits.dtype)
+        device = logits.device
+        if chunk_size is None:
+            elements = CUDA_CHUNK_ELEMENTS if device.type != "cpu" else CPU_CHUNK_ELEMENTS
+            chunk_size = max(1, elements // max(vocab, 1))
+        items = _items(src, n, chunk_size, device)
+        lse = torch.empty(n, dtype=dtype, device=device)
+        out = torch.empty(n, dtype=dtype, device=device)
+
+        def work(item: tuple[slice, slice | Tensor], state: Any) -> None:
+            pos, idx = item
+            z = _scaled(src, idx, dtype, temperature, None)
+            lse[pos] = torch.logsumexp(z, dim=-1)
+            out[pos] = z.gather(1, ids[pos].unsqueeze(1)).squeeze(1) - lse[pos]
+
+        _run_chunks(work, items, device)
+        if ignored is not None:
+            out = out.masked_fill_(ignored, 0)
+        ctx.save_for_backward(logits, ids, ignored, lse)
+        out = out.view(logits.shape[:-1])
+        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Optional[Tensor], ...]:
+        logits, ids, ignored, lse = ctx.saved_tensors
+        temperature = ctx.temperature
+        src = Rows(logits)
+        n, vocab = ids.numel(), logits.shape[-1]
+        dtype, device = lse.dtype, logits.device
+        # d(loss)/d(log-prob) over T, 0 on ignored tokens: dl/dz_i = s ([i = y] - p_i)
+        s = grad_out.reshape(-1).to(dtype) / temperature
+        if ignored is not None:
+            s = s.masked_fill(ignored, 0)
+        grad = torch.empty((n, vocab), dtype=logits.dtype, device=device)
+
+        def work(item: tuple[slice, slice | Tensor], state: Any) -> None:
+            pos, idx = item
+            direct = grad[pos] if grad.dtype == dtype else None
+            p = _scaled(src, idx, dtype, temperature, direct, lse[pos].unsqueeze(1))
+            p.exp_().mul_(s[pos].unsqueeze(1).neg())
+            p.scatter_add_(1, ids[pos].unsqueeze(1), s[pos].unsqueeze(1))
+            if ignored is not None:
+                # NaN logits of an ignored token give NaN p: its gradient is 0 all the same
+                p.masked_fill_(ignored[pos].unsqueeze(1), 0)
+            if p is not direct:
+                grad[pos] = p
+
+        _run_chunks(work, _items(src, n, ctx.chunk_size, device), device)
+        return grad.view(logits.shape), None, None, None, None
+
+
+def _items(src: Rows, n: int, chunk_size: int, device: torch.device) -> list[tuple[slice, slice | Tensor]]:
+    """``(output positions, row indices)`` per chunk: slices, or index tensors when ``src.flat`` is None."""
+    if src.flat is not None:
+        return [(pos, pos) for pos in _slices(n, chunk_size)]
+    rows = torch.arange(n, device=device)
+    return [(pos, rows[pos]) for pos in _slices(n, chunk_size)]
+
+
+def _scaled(
+    src: Rows,
+    idx: slice | Tensor,
+    dtype: torch.dtype,
+    temperature: float,
+    out: Optional[Tensor],
+    lse: Optional[Tensor] = None,
+) -> Tensor:
+    """``z / T`` (then ``- lse`` when given) of the rows ``idx`` in ``dtype``, never written into the input.
+
+    The result goes into ``out`` when that is given and the input is not copied anyway.
+    """
+    chunk, fresh = src.read(idx)
+    z = chunk.to(dtype)
+    owned = fresh or z is not chunk
+    if temperature != 1.0:
+        z = z.div_(temperature) if owned else torch.div(z, temperature, out=out) if out is not None else z / temperature
+        owned = True
+    if lse is None:
+        return z
+    if owned:
+        return z.sub_(lse)
+    return torch.sub(z, lse, out=out) if out is not None else z - lse
+
+
+# ---------------------------------------------------------------------------------------------
+# from hidden states
+
+
+def token_logprobs_from_hidden_kernel(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    ids: Tensor,
+    ignored: Optional[Tensor],
+    temperature: float,
+    chunk_size: Optional[int],
+    vocab_chunk_size: Optional[int],
+) -> Tensor:
+    """Log-probs of ``ids [n]`` under ``hidden [..., d] @ weight.T + bias``, shaped ``[...]``; checked inputs.
+
+    ``chunk_size`` rows per block, ``vocab_chunk_size`` vocabulary entries per tile (None: defaults).
+    """
+    return _TokenLogprobsFromHidden.apply(hidden, weight, bias, ids, ignored, temperature, chunk_size, vocab_chunk_size)
+
+
+def _blocks(n: int, vocab: int, device: torch.device, rows: Optional[int], tile: Optional[int]) -> list[tuple[slice, list[slice]]]:
+    """``(row block, vocabulary tiles)`` for every block of rows."""
+    rows = rows or HIDDEN_BLOCK_ROWS
+    elements = HIDDEN_CUDA_TILE_ELEMENTS if device.type != "cpu" else HIDDEN_CPU_TILE_ELEMENTS
+    out = []
+    for block in _slices(n, rows):
+        width = tile or max(1, elements // (block.stop - block.start))
+        out.append((block, _slices(vocab, width)))
+    return out
+
+
+def _tile_logits(h: Tensor, weight: Tensor, bias: Optional[Tensor], cols: slice, dtype: torch.dtype, temperature: float) -> Tensor:
+    # the head's own dtype for the matmul (the model's logits), then the compute dtype
+    z = F.linear(h, weight[cols], None if bias is None else bias[cols])
+    z = z.to(dtype)
+    return z.div_(temperature) if temperature != 1.0 else z
+
+
+class _TokenLogprobsFromHidden(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        hidden: Tensor,
+        weight: Tensor,
+        bias: Optional[Tensor],
+        ids: Tensor,
+        ignored: Optional[Tensor],
+        temperature: float,
+        chunk_size: Optional[int],
+        vocab_chunk_size: Optional[int],
+    ) -> Tensor:
+        h2 = hidden.reshape(-1, hidden.shape[-1])
+        n, vocab = h2.shape[0], weight.shape[0]
+        dtype, device = _compute_dtype(hidden.dtype), hidden.device
+        lse = torch.empty(n, dtype=dtype, device=device)
+        selected = torch.empty(n, dtype=dtype, device=device)
+        for block, tiles in _blocks(n, vocab, device, chunk_size, vocab_chunk_size):
+            h, y = h2[block], ids[block]
+            tile_lse = torch.empty((len(tiles), h.shape[0]), dtype=dtype, device=device)
+            sel = selected[block]
+
+            def work(item: tuple[int, slice], state: Any) -> None:
+                k, cols = item
+                z = _tile_logits(h, weight, bias, cols, dtype, temperature)
+                tile_lse[k] = torch.logsumexp(z, dim=-1)
+                # each row's id lies in exactly one tile: that tile writes its selected logit
+                here = ((y >= cols.start) & (y < cols.stop)).nonzero().squeeze(1)
+                sel[here] = z[here, y[here] - cols.start]
+
+            _run_chunks(work, list(enumerate(tiles)), device)
+            lse[block] = torch.logsumexp(tile_lse, dim=0)
+        out = selected - lse
+        if ignored is not None:
+            out = out.masked_fill_(ignored, 0)
+        ctx.save_for_backward(hidden, weight, bias, ids, ignored, lse)
+        ctx.temperature, ctx.chunk_size, ctx.vocab_chunk_size = temperature, chunk_size, vocab_chunk_size
+        return out.view(hidden.shape[:-1])
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Optional[Tensor], ...]:
+        hidden, weight, bias, ids, ignored, lse = ctx.saved_tensors
+        need_h, need_w, need_b = (bool(x) for x in ctx.needs_input_grad[:3])
+        temperature = ctx.temperature
+        h2 = hidden.reshape(-1, hidden.shape[-1])
+        n, vocab = h2.shape[0], weight.shape[0]
+        dtype, device = lse.dtype, hidden.device
+        s = grad_out.reshape(-1).to(dtype) / temperature
+        if ignored is not None:
+            s = s.masked_fill(ignored, 0)
+        blocks = _blocks(n, vocab, device, ctx.chunk_size, ctx.vocab_chunk_size)
+        # dW and db: one block writes them at once; several add up, in float32 for half weights
+        # (a [V, d] float32 buffer) so that each element is rounded once, as in one big matmul
+        one_block = len(blocks) == 1
+        grad_w = grad_b = acc_w = acc_b = None
+        if need_w:
+            grad_w = (torch.empty_like if one_block else torch.zeros_like)(weight, memory_format=torch.contiguous_format)
+            acc_w = grad_w if one_block or weight.dtype == dtype else torch.zeros(weight.shape, dtype=dtype, device=device)
+        if need_b:
+            assert bias is not None
+            acc_b = torch.zeros(vocab, dtype=dtype, device=device)
+        grad_h = torch.empty_like(h2, memory_format=torch.contiguous_format) if need_h else None
+        lock = threading.Lock()
+
+        for block, tiles in blocks:
+            h, y, sb, lb = h2[block], ids[block], s[block].unsqueeze(1), lse[block].unsqueeze(1)
+            ign = None if ignored is None else ignored[block].unsqueeze(1)
+            if ign is not None and need_w:
+                h = h.masked_fill(ign, 0)  # so that NaN hidden states of ignored tokens stay out of dW
+            acc_h = torch.zeros(h.shape, dtype=dtype, device=device) if need_h else None
+
+            def work(cols: slice, state: Any) -> None:
+                g = _tile_logits(h, weight, bias, cols, dtype, temperature)
+                g = g.sub_(lb).exp_().mul_(sb.neg())
+                here = ((y >= cols.start) & (y < cols.stop)).nonzero().squeeze(1)
+                g[here, y[here] - cols.start] += sb[here, 0]
+                if ign is not None:
+                    g.masked_fill_(ign, 0)
+                gm = g.to(weight.dtype)  # the matmuls in the head's dtype, as autograd would
+                if acc_h is not None:
+                    part = gm @ weight[cols]
+                    with lock:
+                        acc_h.add_(part)
+                if acc_w is not None:
+                    if one_block:
+                        torch.mm(gm.T, h, out=acc_w[cols])
+                    elif acc_w.dtype == gm.dtype:
+                        acc_w[cols].addmm_(gm.T, h)
+                    else:
+                        acc_w[cols] += gm.T @ h
+                if acc_b is not None:
+                    acc_b[cols] += g.sum(0)
+
+            _run_chunks(work, tiles, device)
+            if grad_h is not None and acc_h is not None:
+                grad_h[block] = acc_h
+        if grad_w is not None and acc_w is not grad_w:
+            grad_w.copy_(acc_w)
+        return (
+            None if grad_h is None else grad_h.view(hidden.shape),
+            grad_w,
+            None if acc_b is None else acc_b.to(bias.dtype),
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
