@@ -6,6 +6,7 @@ from lightning_kl.controllers import AdaptiveKLController, FixedKLController, KL
 from lightning_kl.estimators import BASE_ESTIMATORS, ESTIMATORS, SAMPLED_ESTIMATORS, EstimatorSpec, parse_estimator
 from lightning_kl.functional import AGG_MODES, aggregate, kl_penalty
 from lightning_kl.kernels.full import full_kl
+from lightning_kl.logprobs import token_logprobs, token_logprobs_from_hidden
 from lightning_kl.loss import KLPenaltyLoss
 from lightning_kl.metric import KLMetric
 from lightning_kl.sequence import LEVELS
@@ -30,4 +31,6 @@ __all__ = [
     "kl_penalty",
     "parse_estimator",
     "step_totals",
+    "token_logprobs",
+    "token_logprobs_from_hidden",
 ]

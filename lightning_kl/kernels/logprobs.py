@@ -316,16 +316,17 @@ class _TokenLogprobsFromHidden(torch.autograd.Function):
                     g.masked_fill_(ign, 0)
                 gm = g.to(weight.dtype)  # the matmuls in the head's dtype, as autograd would
                 if acc_h is not None:
-                    part = gm @ weight[cols]
+                    part = torch.mm(gm, weight[cols])
                     with lock:
                         acc_h.add_(part)
                 if acc_w is not None:
+                    rows_w = acc_w[cols]
                     if one_block:
-                        torch.mm(gm.T, h, out=acc_w[cols])
+                        torch.mm(gm.T, h, out=rows_w)
                     elif acc_w.dtype == gm.dtype:
-                        acc_w[cols].addmm_(gm.T, h)
+                        torch.addmm(rows_w, gm.T, h, out=rows_w)
                     else:
-                        acc_w[cols] += gm.T @ h
+                        rows_w += torch.mm(gm.T, h)
                 if acc_b is not None:
                     acc_b[cols] += g.sum(0)
 
