@@ -18,40 +18,21 @@ benchmarks/bench_logprobs.py`` measures both.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
+from lightning_kl.ground.checks import check_floating, check_temperature
 from lightning_kl.kernels.logprobs import token_logprobs_from_hidden_kernel, token_logprobs_kernel
 
 __all__ = ["check_head", "check_tokens", "token_logprobs", "token_logprobs_from_hidden"]
-
-
-def _check_temperature(temperature: Any) -> float:
-    if (
-        isinstance(temperature, bool)
-        or not isinstance(temperature, (int, float))
-        or not math.isfinite(temperature)
-        or temperature <= 0
-    ):
-        raise ValueError(f"`temperature` must be a finite number > 0, got {temperature!r}.")
-    return float(temperature)
 
 
 def _check_size(name: str, value: Any) -> Optional[int]:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise ValueError(f"`{name}` must be a positive integer or None, got {value!r}.")
     return value
-
-
-def _check_floating(name: str, x: Any) -> Tensor:
-    if not isinstance(x, Tensor):
-        raise TypeError(f"`{name}` must be a torch.Tensor, got {type(x).__name__}.")
-    if not x.is_floating_point():
-        raise TypeError(f"`{name}` must be a floating point tensor, got dtype {x.dtype}.")
-    return x
 
 
 def check_tokens(
@@ -105,8 +86,8 @@ def check_head(hidden: Any, weight: Any, bias: Any, prefix: str = "") -> None:
         ValueError: for shapes, dtypes or devices that do not match (all named).
     """
     hn, wn, bn = f"{prefix}hidden", f"{prefix}weight", f"{prefix}bias"
-    _check_floating(hn, hidden)
-    _check_floating(wn, weight)
+    check_floating(hn, hidden)
+    check_floating(wn, weight)
     if hidden.ndim == 0:
         raise ValueError(f"`{hn}` must be `[..., d]` with a hidden dimension, got a scalar.")
     if weight.ndim != 2 or weight.shape[1] != hidden.shape[-1]:
@@ -119,7 +100,7 @@ def check_head(hidden: Any, weight: Any, bias: Any, prefix: str = "") -> None:
     if weight.device != hidden.device:
         raise ValueError(f"`{hn}` is on {hidden.device} but `{wn}` is on {weight.device}.")
     if bias is not None:
-        _check_floating(bn, bias)
+        check_floating(bn, bias)
         if bias.shape != weight.shape[:1]:
             raise ValueError(f"`{bn}` must be `[V]` = ({weight.shape[0]},) for {wn} {tuple(weight.shape)}, got {tuple(bias.shape)}.")
         if bias.dtype != weight.dtype or bias.device != weight.device:
@@ -173,10 +154,10 @@ def token_logprobs(
         tensor([[-0.5000,  0.5000],
                 [ 0.0000,  0.0000]])
     """
-    _check_floating("logits", logits)
+    check_floating("logits", logits)
     if logits.ndim == 0:
         raise ValueError("`logits` must be `[..., V]` with a vocabulary dimension, got a scalar.")
-    temperature = _check_temperature(temperature)
+    temperature = check_temperature(temperature)
     _check_size("chunk_size", chunk_size)
     ids, ignored = check_tokens(tokens, logits.shape[:-1], logits.shape[-1], logits.device, "logits", ignore_index)
     return token_logprobs_kernel(logits, ids, ignored, temperature, chunk_size)
@@ -236,7 +217,7 @@ def token_logprobs_from_hidden(
                 [-0.2119, -0.2130]])
     """
     check_head(hidden, weight, bias)
-    temperature = _check_temperature(temperature)
+    temperature = check_temperature(temperature)
     _check_size("chunk_size", chunk_size)
     _check_size("vocab_chunk_size", vocab_chunk_size)
     ids, ignored = check_tokens(tokens, hidden.shape[:-1], weight.shape[0], hidden.device, "hidden", ignore_index)

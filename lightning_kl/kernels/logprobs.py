@@ -27,16 +27,15 @@ NaN. Ids are checked by the caller.
 
 from __future__ import annotations
 
-import math
 import threading
-from collections.abc import Callable, Sequence
-from typing import Any, Optional, TypeVar
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from lightning_kl.ground.chunks import run_chunks
 from lightning_kl.kernels.rows import Rows
 
 __all__ = [
@@ -60,15 +59,6 @@ CUDA_CHUNK_ELEMENTS = 2**25
 HIDDEN_BLOCK_ROWS = 4096
 HIDDEN_CPU_TILE_ELEMENTS = 2**22
 HIDDEN_CUDA_TILE_ELEMENTS = 2**26
-
-_T = TypeVar("_T")
-
-
-def _run_chunks(work: Callable[[_T, Any], None], items: Sequence[_T], device: torch.device) -> None:
-    # stand-in for the package's chunk runner (lightning_kl/ground/chunks.py: run_chunks)
-    for item in items:
-        work(item, None)
-
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
@@ -124,7 +114,7 @@ class _TokenLogprobs(torch.autograd.Function):
             lse[pos] = torch.logsumexp(z, dim=-1)
             out[pos] = z.gather(1, ids[pos].unsqueeze(1)).squeeze(1) - lse[pos]
 
-        _run_chunks(work, items, device)
+        run_chunks(work, items, device)
         if ignored is not None:
             out = out.masked_fill_(ignored, 0)
         ctx.save_for_backward(logits, ids, ignored, lse)
@@ -158,7 +148,7 @@ class _TokenLogprobs(torch.autograd.Function):
             if p is not direct:
                 grad[pos] = p
 
-        _run_chunks(work, _items(src, n, ctx.chunk_size, device), device)
+        run_chunks(work, _items(src, n, ctx.chunk_size, device), device)
         return grad.view(logits.shape), None, None, None, None
 
 
@@ -265,7 +255,7 @@ class _TokenLogprobsFromHidden(torch.autograd.Function):
                 here = ((y >= cols.start) & (y < cols.stop)).nonzero().squeeze(1)
                 sel[here] = z[here, y[here] - cols.start]
 
-            _run_chunks(work, list(enumerate(tiles)), device)
+            run_chunks(work, list(enumerate(tiles)), device)
             lse[block] = torch.logsumexp(tile_lse, dim=0)
         out = selected - lse
         if ignored is not None:
@@ -330,7 +320,7 @@ class _TokenLogprobsFromHidden(torch.autograd.Function):
                 if acc_b is not None:
                     acc_b[cols] += g.sum(0)
 
-            _run_chunks(work, tiles, device)
+            run_chunks(work, tiles, device)
             if grad_h is not None and acc_h is not None:
                 grad_h[block] = acc_h
         if grad_w is not None and acc_w is not grad_w:
