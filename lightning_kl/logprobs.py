@@ -18,96 +18,42 @@ benchmarks/bench_logprobs.py`` measures both.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
-from lightning_kl.ground.checks import check_floating, check_temperature
+from lightning_kl.ground.checks import check_floating, check_head, check_temperature, check_tokens
 from lightning_kl.kernels.logprobs import token_logprobs_from_hidden_kernel, token_logprobs_kernel
 
-__all__ = ["check_head", "check_tokens", "token_logprobs", "token_logprobs_from_hidden"]
+__all__ = ["FromHidden", "token_logprobs", "token_logprobs_from_hidden"]
+
+
+class FromHidden(NamedTuple):
+    r"""Logits given as the last hidden states and the LM head: ``hidden @ weight.T + bias``.
+
+    Pass one for each model in place of the logits to ``KLPenaltyLoss("full")``, so that the exact
+    KL is computed chunk by chunk from the hidden states (:func:`lightning_kl.full_kl_from_hidden`)
+    and the ``[..., V]`` logits never exist::
+
+        kl_loss = self.kl(lk.FromHidden(hidden, self.policy.lm_head.weight),
+                          lk.FromHidden(ref_hidden, self.ref.lm_head.weight), mask)
+
+    Attributes:
+        hidden: ``[..., d]`` the last hidden states (after the final norm).
+        weight: ``[V, d]`` the LM head.
+        bias: optional ``[V]`` head bias.
+    """
+
+    hidden: Tensor
+    weight: Tensor
+    bias: Optional[Tensor] = None
 
 
 def _check_size(name: str, value: Any) -> Optional[int]:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise ValueError(f"`{name}` must be a positive integer or None, got {value!r}.")
     return value
-
-
-def check_tokens(
-    tokens: Any, lead: torch.Size, vocab: int, device: torch.device, like: str, ignore_index: Any
-) -> tuple[Tensor, Optional[Tensor]]:
-    """Check ``tokens`` (integer ids of shape ``lead``) against a vocabulary of ``vocab`` entries.
-
-    Returns the flat ``int64`` ids (ignored ones replaced by 0, so that they index safely) and the
-    flat bool mask of ignored tokens (None without ``ignore_index``). Costs one min/max over the ids
-    (a device sync on GPU).
-
-    Raises:
-        TypeError: for ``tokens`` that are not an integer tensor, or a bad ``ignore_index``.
-        ValueError: for a shape or device that does not match ``like`` (both named), or an id
-            outside ``[0, vocab)`` that is not ``ignore_index`` (the id and ``V`` named).
-    """
-    if ignore_index is not None and (isinstance(ignore_index, bool) or not isinstance(ignore_index, int)):
-        raise TypeError(f"`ignore_index` must be an int or None, got {ignore_index!r}.")
-    if not isinstance(tokens, Tensor):
-        raise TypeError(f"`tokens` must be a torch.Tensor of token ids, got {type(tokens).__name__}.")
-    if tokens.dtype == torch.bool or tokens.is_floating_point() or tokens.is_complex():
-        raise TypeError(f"`tokens` must be an integer tensor of token ids, got dtype {tokens.dtype}.")
-    if tokens.shape != lead:
-        raise ValueError(
-            f"`tokens` must have the shape of `{like}` without its last dimension: got tokens "
-            f"{tuple(tokens.shape)} and {like} {tuple(lead) + ('...',)} (expected tokens {tuple(lead)})."
-        )
-    if tokens.device != device:
-        raise ValueError(f"`tokens` is on {tokens.device} but `{like}` is on {device}.")
-    ids = tokens.reshape(-1).long()
-    ignored = None
-    if ignore_index is not None:
-        ignored = ids == ignore_index
-        ids = ids.masked_fill(ignored, 0)
-    if ids.numel() > 0:
-        lo, hi = torch.aminmax(ids)
-        if lo.item() < 0 or hi.item() >= vocab:
-            bad = int(ids[(ids < 0) | (ids >= vocab)][0])
-            hint = f" or `ignore_index` ({ignore_index})" if ignore_index is not None else " (set `ignore_index` for label padding such as -100)"
-            raise ValueError(f"token id {bad} is out of range for a vocabulary of V={vocab}: ids must be in [0, {vocab}){hint}.")
-    return ids, ignored
-
-
-def check_head(hidden: Any, weight: Any, bias: Any, prefix: str = "") -> None:
-    """Check ``hidden [..., d]``, ``weight [V, d]`` and ``bias [V]`` (or None): one dtype, one device.
-
-    ``prefix`` names a second head in messages (``"ref_"`` gives ``ref_hidden``...).
-
-    Raises:
-        TypeError: for inputs that are not floating point tensors.
-        ValueError: for shapes, dtypes or devices that do not match (all named).
-    """
-    hn, wn, bn = f"{prefix}hidden", f"{prefix}weight", f"{prefix}bias"
-    check_floating(hn, hidden)
-    check_floating(wn, weight)
-    if hidden.ndim == 0:
-        raise ValueError(f"`{hn}` must be `[..., d]` with a hidden dimension, got a scalar.")
-    if weight.ndim != 2 or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(
-            f"`{wn}` must be the LM head `[V, d]` with d = {hn}.shape[-1]: got {wn} {tuple(weight.shape)} "
-            f"and {hn} {tuple(hidden.shape)}."
-        )
-    if weight.dtype != hidden.dtype:
-        raise ValueError(f"`{hn}` and `{wn}` must have one dtype: got {hidden.dtype} and {weight.dtype}.")
-    if weight.device != hidden.device:
-        raise ValueError(f"`{hn}` is on {hidden.device} but `{wn}` is on {weight.device}.")
-    if bias is not None:
-        check_floating(bn, bias)
-        if bias.shape != weight.shape[:1]:
-            raise ValueError(f"`{bn}` must be `[V]` = ({weight.shape[0]},) for {wn} {tuple(weight.shape)}, got {tuple(bias.shape)}.")
-        if bias.dtype != weight.dtype or bias.device != weight.device:
-            raise ValueError(
-                f"`{bn}` must have the dtype and device of `{wn}`: got {bias.dtype} on {bias.device} and "
-                f"{weight.dtype} on {weight.device}."
-            )
 
 
 def token_logprobs(

@@ -357,19 +357,24 @@ class TinyLM(L.LightningModule):
         self.from_hidden = from_hidden
         self.embed = nn.Embedding(vocab, d)
         self.head = nn.Linear(d, vocab)
-        self.seen: list[dict[str, Tensor]] = []
+        self.ref_head = nn.Linear(d, vocab).requires_grad_(False)  # a frozen reference
+        self.kl = lk.KLPenaltyLoss("full", coef=0.3)
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         hidden = self.embed(batch["input_ids"])[:, :-1]
         labels = batch["labels"][:, 1:]  # shifted by one, -100 on padding
+        valid = labels != -100
         if self.from_hidden:
             lp = lk.token_logprobs_from_hidden(hidden, self.head.weight, labels, self.head.bias, ignore_index=-100)
+            kl = self.kl(
+                lk.FromHidden(hidden, self.head.weight, self.head.bias),
+                lk.FromHidden(hidden.detach(), self.ref_head.weight, self.ref_head.bias),
+                valid,
+            )
         else:
             lp = lk.token_logprobs(self.head(hidden), labels, ignore_index=-100)
-        valid = labels != -100
-        loss = -lp[valid].mean()
-        self.seen.append({k: p.detach().clone() for k, p in self.named_parameters()})
-        return loss
+            kl = self.kl(self.head(hidden), self.ref_head(hidden.detach()), valid)
+        return -lp[valid].mean() + kl
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.5)
@@ -398,9 +403,119 @@ def test_lightning_loop_trains_exactly_like_the_naive_loss(tmp_path, from_hidden
     logits = naive.head(naive.embed(batch["input_ids"])[:, :-1])
     labels = batch["labels"][:, 1:]
     valid = labels != -100
-    lp = torch.log_softmax(logits, -1).gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    (-lp[valid].mean()).backward()
+    logp = torch.log_softmax(logits, -1)
+    lp = logp.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    logq = torch.log_softmax(naive.ref_head(naive.embed(batch["input_ids"])[:, :-1].detach()), -1)
+    kl = (logp.exp() * (logp - logq)).sum(-1)
+    (-lp[valid].mean() + 0.3 * kl[valid].mean()).backward()
     for k, p in model.named_parameters():
-        expected = before[k].double() - 0.5 * dict(naive.named_parameters())[k].grad
+        grad = dict(naive.named_parameters())[k].grad
+        if k.startswith("ref_head"):
+            assert grad is None and torch.equal(p.detach(), before[k])
+            continue
+        expected = before[k].double() - 0.5 * grad
         torch.testing.assert_close(p.detach().double(), expected, rtol=1e-5, atol=1e-6)
         assert not torch.equal(p.detach(), before[k])
+
+
+# ---------------------------------------------------------------------------------------------
+# the exact full-vocabulary KL from hidden states
+
+
+def full_reference(z64: Tensor, q64: Tensor, temperature: float = 1.0) -> Tensor:
+    """float64 ``sum_v p_v (log p_v - log q_v)`` from the formula."""
+    logp = torch.log_softmax(z64 / temperature, -1)
+    logq = torch.log_softmax(q64 / temperature, -1)
+    return (logp.exp() * (logp - logq)).sum(-1)
+
+
+def check_full_hidden(dtype, temperature=1.0, mask=None, ref_grad=False, shape=(3, 5), d=6, vocab=13, **kw):
+    pol = make_head(shape, d, vocab, dtype, seed=20)
+    ref = make_head(shape, d + 1, vocab, dtype, seed=21)
+    upstream = torch.randn(shape, generator=torch.Generator().manual_seed(22), dtype=torch.float64)
+    leaves = [x.clone().requires_grad_() for x in pol] + [x.clone().requires_grad_(ref_grad) for x in ref]
+    kl = lk.full_kl_from_hidden(*leaves[0:2], *leaves[3:5], mask, bias=leaves[2], ref_bias=leaves[5], temperature=temperature, **kw)
+    assert kl.shape == shape and kl.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    kl.backward(upstream.to(kl.dtype))
+    # reference: the logits each head makes in its dtype, gradients through float64 heads
+    leaves64 = [x.double().requires_grad_() for x in (*pol, *ref)]
+    with torch.no_grad():
+        z, q = F.linear(*pol), F.linear(*ref)
+    z64, q64 = F.linear(*leaves64[:3]), F.linear(*leaves64[3:])
+    z64 = z64 + (z.double() - z64).detach()
+    q64 = q64 + (q.double() - q64).detach()
+    want = full_reference(z64, q64, temperature)
+    if mask is not None:
+        want = torch.where(mask, want, torch.zeros_like(want))
+    want.backward(upstream)
+    tol = TOL[dtype]
+    torch.testing.assert_close(kl.double(), want.detach(), rtol=tol["value"][0] * 10, atol=tol["value"][1] * 10)
+    for got, leaf64, leaf in zip((x.grad for x in leaves), leaves64, leaves):
+        if not leaf.requires_grad:
+            assert got is None
+            continue
+        want_g = leaf64.grad
+        assert got.dtype == dtype and got.shape == want_g.shape
+        rtol, atol = tol["grad"]
+        torch.testing.assert_close(got.double(), want_g, rtol=rtol * 10, atol=atol * 10 * max(1.0, want_g.abs().max().item()))
+    return kl, leaves
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("chunk_size", [None, 1, 4])  # 4 does not divide 15 rows
+def test_full_from_hidden_matches_float64_maths(dtype, chunk_size):
+    check_full_hidden(dtype, chunk_size=chunk_size)
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.7])
+def test_full_from_hidden_temperature_mask_and_reference_gradient(temperature):
+    mask = torch.rand(3, 5, generator=torch.Generator().manual_seed(23)) < 0.6
+    kl, leaves = check_full_hidden(torch.float32, temperature, mask=mask, ref_grad=True, chunk_size=2)
+    assert (kl[~mask] == 0).all() and (leaves[0].grad[~mask] == 0).all() and (leaves[3].grad[~mask] == 0).all()
+
+
+def test_full_from_hidden_never_reads_masked_positions():
+    pol, ref = make_head((2, 4), 3, 7, torch.float32, seed=24), make_head((2, 4), 3, 7, torch.float32, seed=25)
+    mask = torch.tensor([[True, False, True, True], [False, True, True, False]])
+    h = pol[0].clone()
+    h[~mask] = float("nan")
+    h.requires_grad_()
+    w = pol[1].clone().requires_grad_()
+    kl = lk.full_kl_from_hidden(h, w, ref[0], ref[1], mask, chunk_size=3)
+    kl.sum().backward()
+    assert not kl.isnan().any() and not w.grad.isnan().any() and (h.grad[~mask] == 0).all()
+
+
+def test_full_from_hidden_equals_full_of_the_logits_and_reads_layouts():
+    (h, w, b), (hr, wr, br) = make_head((4, 6), 5, 9, torch.float32, seed=26), make_head((4, 6), 5, 9, torch.float32, seed=27)
+    got = lk.full_kl_from_hidden(h[:, :-1], w, hr[:, :-1], wr, bias=b, ref_bias=br, chunk_size=3)
+    want = lk.full_kl(F.linear(h, w, b)[:, :-1], F.linear(hr, wr, br)[:, :-1])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_loss_takes_hidden_states_for_full():
+    (h, w, b), (hr, wr, br) = make_head((2, 5), 4, 11, torch.float32, seed=28), make_head((2, 5), 4, 11, torch.float32, seed=29)
+    mask = torch.tensor([[True, True, False, True, True], [True, False, False, True, True]])
+    loss_fn = lk.KLPenaltyLoss("full", coef=0.2, agg="seq-mean-token-sum", temperature=0.8)
+    w1, w2 = w.clone().requires_grad_(), w.clone().requires_grad_()
+    a = loss_fn(lk.FromHidden(h, w1, b), lk.FromHidden(hr, wr, br), mask)
+    b_ = lk.KLPenaltyLoss("full", coef=0.2, agg="seq-mean-token-sum", temperature=0.8)(F.linear(h, w2, b), F.linear(hr, wr, br), mask)
+    torch.testing.assert_close(a, b_)
+    a.backward()
+    b_.backward()
+    torch.testing.assert_close(w1.grad, w2.grad, rtol=1e-5, atol=1e-7)
+    assert loss_fn.metric.compute() > 0
+
+
+def test_loss_rejects_mixed_or_sampled_hidden_inputs():
+    h, w, _ = make_head((2, 3), 4, 5, torch.float32)
+    with pytest.raises(TypeError, match=r"'full' estimator with one for each model, got 'full' with FromHidden and Tensor"):
+        lk.KLPenaltyLoss("full")(lk.FromHidden(h, w), F.linear(h, w))
+    with pytest.raises(TypeError, match=r"got 'k3\+'.*token_logprobs_from_hidden"):
+        lk.KLPenaltyLoss("k3+")(lk.FromHidden(h, w), lk.FromHidden(h, w))
+    with pytest.raises(ValueError, match=r"logits of one shape.*ref_weight \(6, 4\)"):
+        lk.full_kl_from_hidden(h, w, h, torch.randn(6, 4))
+    with pytest.raises(ValueError, match=r"`mask` must have the shape of `hidden` without the hidden dimension"):
+        lk.full_kl_from_hidden(h, w, h, w, torch.ones(2, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"`ref_weight` must be the LM head"):
+        lk.full_kl_from_hidden(h, w, h, torch.randn(5, 3))
