@@ -519,3 +519,28 @@ def test_loss_rejects_mixed_or_sampled_hidden_inputs():
         lk.full_kl_from_hidden(h, w, h, w, torch.ones(2, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"`ref_weight` must be the LM head"):
         lk.full_kl_from_hidden(h, w, h, torch.randn(5, 3))
+
+
+def test_hugging_face_causal_lm_shifted_labels_match_its_own_loss():
+    # the README's training_step: logits[:, :-1] against labels[:, 1:], -100 on prompt and padding
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(
+        vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1
+    )
+    model = transformers.Qwen2ForCausalLM(config)
+    input_ids = torch.randint(0, 40, (2, 7))
+    labels = input_ids.clone()
+    labels[:, :2] = -100  # the prompt
+    labels[1, 5:] = -100  # padding
+    out = model(input_ids=input_ids, labels=labels, output_hidden_states=True)
+    targets = labels[:, 1:]
+    valid = targets != -100
+    lp = lk.token_logprobs(out.logits[:, :-1], targets, ignore_index=-100)
+    torch.testing.assert_close(-lp[valid].mean(), out.loss)  # HF's mean cross-entropy over valid labels
+    hidden = out.hidden_states[-1][:, :-1]  # after the final norm: lm_head(hidden) are the logits
+    lp_h = lk.token_logprobs_from_hidden(hidden, model.lm_head.weight, targets, ignore_index=-100)
+    torch.testing.assert_close(lp_h, lp, rtol=1e-5, atol=1e-6)
+    (g_logits,) = torch.autograd.grad(-lp[valid].mean(), model.lm_head.weight, retain_graph=True)
+    (g_hidden,) = torch.autograd.grad(-lp_h[valid].mean(), model.lm_head.weight)
+    torch.testing.assert_close(g_hidden, g_logits, rtol=1e-5, atol=1e-7)
