@@ -167,8 +167,8 @@ class KLPenaltyLoss(nn.Module):
 
     def forward(
         self,
-        logprob: Tensor,
-        ref_logprob: Tensor,
+        logprob: Tensor | FromHidden,
+        ref_logprob: Tensor | FromHidden,
         mask: Optional[Tensor] = None,
         old_logprob: Optional[Tensor] = None,
         *,

@@ -149,6 +149,17 @@ def test_no_full_size_float32_copy_is_kept_for_backward():
     assert sum(t.numel() for t in saved if t is not None) <= logits.numel() + 3 * 64
 
 
+def test_inference_mode_and_no_grad_keep_nothing():
+    logits, tokens, _ = make((3, 4), 9, torch.bfloat16, seed=30)
+    want = lk.token_logprobs(logits, tokens)
+    for mode in (torch.inference_mode, torch.no_grad):
+        with mode():
+            got = lk.token_logprobs(logits.requires_grad_(), tokens, chunk_size=2)
+        assert got.grad_fn is None
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        logits.requires_grad_(False)
+
+
 def test_default_chunks_split_the_rows(monkeypatch):
     # with a small element budget the defaults make many chunks; values stay exact
     monkeypatch.setattr(kernel, "CPU_CHUNK_ELEMENTS", 20)
@@ -523,6 +534,7 @@ def test_loss_rejects_mixed_or_sampled_hidden_inputs():
 
 def test_hugging_face_causal_lm_shifted_labels_match_its_own_loss():
     # the README's training_step: logits[:, :-1] against labels[:, 1:], -100 on prompt and padding
+    # (transformers is not a test dependency: skipped where it is not installed)
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.Qwen2Config(

@@ -20,6 +20,11 @@ gradient. Beyond the inputs and the gradients, forward and backward hold a few `
 temporaries (the chunk is sized to stay in cache; on CPU, a few per torch thread: the chunks run
 concurrently on the package's chunk runner, :mod:`lightning_kl.ground.chunks`) and ``O(n)`` numbers.
 
+:func:`full_kl_from_hidden` runs the same chunks with the logits made from hidden states and LM heads
+(:class:`~lightning_kl.kernels.rows.LinearRows`), in forward and again in backward, so the ``[n, V]``
+logits never exist; each chunk's logits gradient :math:`G` then becomes :math:`G W` for the hidden
+states, and adds :math:`G^\top h` and :math:`\sum G` to the head's gradients.
+
 Conventions:
 
 * The maths runs in the inputs' promoted dtype, at least float32 (bf16/fp16 logits are read chunk
