@@ -101,8 +101,8 @@ def token_logprobs(
                 [ 0.0000,  0.0000]])
     """
     check_floating("logits", logits)
-    if logits.ndim == 0:
-        raise ValueError("`logits` must be `[..., V]` with a vocabulary dimension, got a scalar.")
+    if logits.ndim == 0 or logits.shape[-1] == 0:
+        raise ValueError(f"`logits` must be `[..., V]` with a vocabulary of V >= 1 entries, got shape {tuple(logits.shape)}.")
     temperature = check_temperature(temperature)
     _check_size("chunk_size", chunk_size)
     ids, ignored = check_tokens(tokens, logits.shape[:-1], logits.shape[-1], logits.device, "logits", ignore_index)

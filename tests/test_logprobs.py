@@ -191,7 +191,8 @@ def test_bad_ids_name_the_id_and_the_vocabulary():
         (dict(tokens=torch.zeros(2, 3, dtype=torch.bool)), TypeError, "got dtype torch.bool"),
         (dict(tokens=[[0, 1, 2], [0, 1, 2]]), TypeError, "got list"),
         (dict(logits=torch.zeros(2, 3, 5, dtype=torch.long)), TypeError, "`logits` must be a floating point tensor"),
-        (dict(logits=torch.tensor(1.0), tokens=torch.tensor(0)), ValueError, "got a scalar"),
+        (dict(logits=torch.tensor(1.0), tokens=torch.tensor(0)), ValueError, r"V >= 1 entries, got shape \(\)"),
+        (dict(logits=torch.zeros(2, 3, 0)), ValueError, r"V >= 1 entries, got shape \(2, 3, 0\)"),
         (dict(temperature=0.0), ValueError, "`temperature` must be a finite number > 0, got 0.0"),
         (dict(temperature=float("inf")), ValueError, "`temperature`"),
         (dict(chunk_size=0), ValueError, "`chunk_size` must be a positive integer or None, got 0"),
@@ -210,6 +211,7 @@ def test_bad_logits_inputs(kwargs, error, match):
     [
         (dict(weight=torch.randn(5, 3)), ValueError, r"`weight` must be the LM head `\[V, d\]`.*\(5, 3\).*\(2, 3, 4\)"),
         (dict(weight=torch.randn(5)), ValueError, r"`weight` must be the LM head"),
+        (dict(weight=torch.randn(0, 4)), ValueError, r"`weight` must be the LM head `\[V, d\]` with V >= 1"),
         (dict(weight=torch.randn(5, 4, dtype=torch.float64)), ValueError, "one dtype: got torch.float32 and torch.float64"),
         (dict(bias=torch.randn(4)), ValueError, r"`bias` must be `\[V\]` = \(5,\)"),
         (dict(bias=torch.randn(5, dtype=torch.float64)), ValueError, "`bias` must have the dtype and device"),

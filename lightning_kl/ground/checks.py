@@ -243,9 +243,9 @@ def check_head(hidden: Any, weight: Any, bias: Any, prefix: str = "") -> None:
     check_floating(wn, weight)
     if hidden.ndim == 0:
         raise ValueError(f"`{hn}` must be `[..., d]` with a hidden dimension, got a scalar.")
-    if weight.ndim != 2 or weight.shape[1] != hidden.shape[-1]:
+    if weight.ndim != 2 or weight.shape[1] != hidden.shape[-1] or weight.shape[0] == 0:
         raise ValueError(
-            f"`{wn}` must be the LM head `[V, d]` with d = {hn}.shape[-1]: got {wn} {tuple(weight.shape)} "
+            f"`{wn}` must be the LM head `[V, d]` with V >= 1 and d = {hn}.shape[-1]: got {wn} {tuple(weight.shape)} "
             f"and {hn} {tuple(hidden.shape)}."
         )
     if weight.dtype != hidden.dtype:

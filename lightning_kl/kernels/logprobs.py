@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from lightning_kl.ground.checks import compute_dtype
 from lightning_kl.ground.chunks import run_chunks
 from lightning_kl.kernels.rows import Rows
 
@@ -55,13 +56,10 @@ CPU_CHUNK_ELEMENTS = 2**19
 CUDA_CHUNK_ELEMENTS = 2**25
 
 # From hidden states: rows per block (the head is read once per block and per pass) and elements
-# per [rows, vocab tile] of logits. 1024 x 4096 float32 is 16 MiB per CPU worker thread.
+# per [rows, vocab tile] of logits: 2^22 float32 logits are 16 MiB per CPU worker thread.
 HIDDEN_BLOCK_ROWS = 4096
 HIDDEN_CPU_TILE_ELEMENTS = 2**22
 HIDDEN_CUDA_TILE_ELEMENTS = 2**26
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)
 
 
 def _slices(n: int, size: int) -> list[slice]:
@@ -99,7 +97,7 @@ class _TokenLogprobs(torch.autograd.Function):
         src = Rows(logits)
         vocab = logits.shape[-1]
         n = ids.numel()
-        dtype = _compute_dtype(logits.dtype)
+        dtype = compute_dtype(logits)
         device = logits.device
         if chunk_size is None:
             elements = CUDA_CHUNK_ELEMENTS if device.type != "cpu" else CPU_CHUNK_ELEMENTS
@@ -108,13 +106,20 @@ class _TokenLogprobs(torch.autograd.Function):
         lse = torch.empty(n, dtype=dtype, device=device)
         out = torch.empty(n, dtype=dtype, device=device)
 
-        def work(item: tuple[slice, slice | Tensor], state: Any) -> None:
+        def work(item: tuple[slice, slice | Tensor], state: dict[str, Tensor]) -> None:
             pos, idx = item
-            z = _scaled(src, idx, dtype, temperature, None)
-            lse[pos] = torch.logsumexp(z, dim=-1)
-            out[pos] = z.gather(1, ids[pos].unsqueeze(1)).squeeze(1) - lse[pos]
+            chunk, _ = src.read(idx)
+            # lse(z / T) = m / T + log sum exp((z - m) / T): the max is exact in the input dtype,
+            # and one op reads the half chunk and writes the float32 differences into scratch
+            # (m in the compute dtype: a half - half op would compute in half)
+            m = chunk.amax(dim=-1, keepdim=True).to(dtype)
+            e = torch.sub(chunk, m, out=_scratch(state, chunk.shape, dtype, device))
+            if temperature != 1.0:
+                e.div_(temperature)
+            lse[pos] = e.exp_().sum(dim=-1).log_().add_(m.squeeze(1) / temperature)
+            out[pos] = chunk.gather(1, ids[pos].unsqueeze(1)).squeeze(1).to(dtype) / temperature - lse[pos]
 
-        run_chunks(work, items, device)
+        run_chunks(work, items, device, make_state=dict)
         if ignored is not None:
             out = out.masked_fill_(ignored, 0)
         ctx.save_for_backward(logits, ids, ignored, lse)
@@ -131,25 +136,41 @@ class _TokenLogprobs(torch.autograd.Function):
         n, vocab = ids.numel(), logits.shape[-1]
         dtype, device = lse.dtype, logits.device
         # d(loss)/d(log-prob) over T, 0 on ignored tokens: dl/dz_i = s ([i = y] - p_i)
-        s = grad_out.reshape(-1).to(dtype) / temperature
+        s = (grad_out.reshape(-1).to(dtype) / temperature).unsqueeze(1)
         if ignored is not None:
-            s = s.masked_fill(ignored, 0)
+            s = s.masked_fill(ignored.unsqueeze(1), 0)
+        lse_t = (lse * temperature).unsqueeze(1)
         grad = torch.empty((n, vocab), dtype=logits.dtype, device=device)
 
-        def work(item: tuple[slice, slice | Tensor], state: Any) -> None:
+        def work(item: tuple[slice, slice | Tensor], state: dict[str, Tensor]) -> None:
             pos, idx = item
-            direct = grad[pos] if grad.dtype == dtype else None
-            p = _scaled(src, idx, dtype, temperature, direct, lse[pos].unsqueeze(1))
-            p.exp_().mul_(s[pos].unsqueeze(1).neg())
-            p.scatter_add_(1, ids[pos].unsqueeze(1), s[pos].unsqueeze(1))
-            if ignored is not None:
-                # NaN logits of an ignored token give NaN p: its gradient is 0 all the same
-                p.masked_fill_(ignored[pos].unsqueeze(1), 0)
-            if p is not direct:
+            chunk, _ = src.read(idx)
+            # float32 gradients are computed in place in the gradient; half ones in scratch, then
+            # written once. p = exp(z / T - lse) = exp((z - T lse) / T)
+            p = grad[pos] if grad.dtype == dtype else _scratch(state, chunk.shape, dtype, device)
+            torch.sub(chunk, lse_t[pos], out=p)
+            if temperature != 1.0:
+                p.div_(temperature)
+            p.exp_().mul_(s[pos].neg())
+            p.scatter_add_(1, ids[pos].unsqueeze(1), s[pos])
+            if grad.dtype != dtype:
                 grad[pos] = p
 
-        run_chunks(work, _items(src, n, ctx.chunk_size, device), device)
+        run_chunks(work, _items(src, n, ctx.chunk_size, device), device, make_state=dict)
+        if ignored is not None:
+            # s = 0 zeroes an ignored row unless its logits hold NaN or inf (then its lse is not
+            # finite and 0 * p is NaN): those rows are zeroed here, once
+            junk = (ignored & ~lse.isfinite()).nonzero().squeeze(1)
+            grad.index_fill_(0, junk, 0)
         return grad.view(logits.shape), None, None, None, None
+
+
+def _scratch(state: dict[str, Tensor], shape: torch.Size, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A worker's reusable ``[rows, V]`` buffer (grown on demand; chunks after the first are no larger)."""
+    buf = state.get("buf")
+    if buf is None or buf.shape[0] < shape[0] or buf.shape[1] != shape[1]:
+        buf = state["buf"] = torch.empty(tuple(shape), dtype=dtype, device=device)
+    return buf[: shape[0]]
 
 
 def _items(src: Rows, n: int, chunk_size: int, device: torch.device) -> list[tuple[slice, slice | Tensor]]:
@@ -158,31 +179,6 @@ def _items(src: Rows, n: int, chunk_size: int, device: torch.device) -> list[tup
         return [(pos, pos) for pos in _slices(n, chunk_size)]
     rows = torch.arange(n, device=device)
     return [(pos, rows[pos]) for pos in _slices(n, chunk_size)]
-
-
-def _scaled(
-    src: Rows,
-    idx: slice | Tensor,
-    dtype: torch.dtype,
-    temperature: float,
-    out: Optional[Tensor],
-    lse: Optional[Tensor] = None,
-) -> Tensor:
-    """``z / T`` (then ``- lse`` when given) of the rows ``idx`` in ``dtype``, never written into the input.
-
-    The result goes into ``out`` when that is given and the input is not copied anyway.
-    """
-    chunk, fresh = src.read(idx)
-    z = chunk.to(dtype)
-    owned = fresh or z is not chunk
-    if temperature != 1.0:
-        z = z.div_(temperature) if owned else torch.div(z, temperature, out=out) if out is not None else z / temperature
-        owned = True
-    if lse is None:
-        return z
-    if owned:
-        return z.sub_(lse)
-    return torch.sub(z, lse, out=out) if out is not None else z - lse
 
 
 # ---------------------------------------------------------------------------------------------
@@ -239,7 +235,7 @@ class _TokenLogprobsFromHidden(torch.autograd.Function):
     ) -> Tensor:
         h2 = hidden.reshape(-1, hidden.shape[-1])
         n, vocab = h2.shape[0], weight.shape[0]
-        dtype, device = _compute_dtype(hidden.dtype), hidden.device
+        dtype, device = compute_dtype(hidden), hidden.device
         lse = torch.empty(n, dtype=dtype, device=device)
         selected = torch.empty(n, dtype=dtype, device=device)
         for block, tiles in _blocks(n, vocab, device, chunk_size, vocab_chunk_size):
