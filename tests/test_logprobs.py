@@ -558,3 +558,25 @@ def test_hugging_face_causal_lm_shifted_labels_match_its_own_loss():
     (g_logits,) = torch.autograd.grad(-lp[valid].mean(), model.lm_head.weight, retain_graph=True)
     (g_hidden,) = torch.autograd.grad(-lp_h[valid].mean(), model.lm_head.weight)
     torch.testing.assert_close(g_hidden, g_logits, rtol=1e-5, atol=1e-7)
+
+
+def test_loss_from_hidden_at_the_sequence_level_equals_the_logits_path():
+    (h, w, b), (hr, wr, br) = make_head((2, 5), 4, 11, torch.float32, seed=31), make_head((2, 5), 4, 11, torch.float32, seed=32)
+    tokens = torch.randint(0, 11, (2, 5), generator=torch.Generator().manual_seed(33))
+    mask = torch.tensor([[True, True, True, False, False], [True, True, True, True, True]])
+    grads = []
+    for from_hidden in (True, False):
+        wl = w.clone().requires_grad_()
+        logits = F.linear(h, wl, b)
+        sampled = lk.token_logprobs(logits, tokens)
+        loss_fn = lk.KLPenaltyLoss("full", coef=0.5, agg="seq-mean-token-sum", level="sequence")
+        if from_hidden:
+            loss = loss_fn(lk.FromHidden(h, wl, b), lk.FromHidden(hr, wr, br), mask, sampled_logprob=sampled)
+        else:
+            loss = loss_fn(logits, F.linear(hr, wr, br), mask, sampled_logprob=sampled)
+        loss.backward()
+        grads.append((loss.detach(), wl.grad))
+    torch.testing.assert_close(grads[0][0], grads[1][0])
+    torch.testing.assert_close(grads[0][1], grads[1][1], rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="needs `sampled_logprob`"):
+        lk.KLPenaltyLoss("full", level="sequence")(lk.FromHidden(h, w), lk.FromHidden(hr, wr), mask)
