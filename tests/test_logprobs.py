@@ -160,6 +160,26 @@ def test_inference_mode_and_no_grad_keep_nothing():
         logits.requires_grad_(False)
 
 
+def test_from_hidden_keeps_no_logits_for_backward():
+    # what the forwards save: the inputs (the head is [V, d], d < n here) and O(n) numbers, never [n, V]
+    hidden, weight, bias = make_head((8,), 4, 300, torch.float32, seed=34)
+    h, w = hidden.requires_grad_(), weight.requires_grad_()
+    tokens = torch.randint(0, 300, (8,))
+    lp = lk.token_logprobs_from_hidden(h, w, tokens, bias, vocab_chunk_size=64)
+    kl = lk.full_kl_from_hidden(h, w, hidden.detach(), weight.detach() * 0.5, chunk_size=3)
+    for out in (lp, kl):
+        saved = [t for t in out.grad_fn.saved_tensors if t is not None]
+        assert saved and max(t.numel() for t in saved) == w.numel() < 8 * 300
+
+
+def test_full_from_hidden_empty_batch():
+    h = torch.randn(0, 3, requires_grad=True)
+    w = torch.randn(5, 3, requires_grad=True)
+    kl = lk.full_kl_from_hidden(h, w, torch.randn(0, 3), torch.randn(5, 3))
+    kl.sum().backward()
+    assert kl.shape == (0,) and h.grad.shape == (0, 3) and (w.grad == 0).all()
+
+
 def test_default_chunks_split_the_rows(monkeypatch):
     # with a small element budget the defaults make many chunks; values stay exact
     monkeypatch.setattr(kernel, "CPU_CHUNK_ELEMENTS", 20)
