@@ -213,6 +213,12 @@ def _blocks(n: int, vocab: int, device: torch.device, rows: Optional[int], tile:
     return out
 
 
+def _in_tile(y: Tensor, cols: slice) -> tuple[Tensor, Tensor]:
+    """Which ids ``y`` lie in the tile ``cols``, and their column there (clamped into it, ``[r, 1]``)."""
+    here = (y >= cols.start) & (y < cols.stop)
+    return here, (y - cols.start).clamp_(0, cols.stop - cols.start - 1).unsqueeze(1)
+
+
 def _tile_logits(h: Tensor, weight: Tensor, bias: Optional[Tensor], cols: slice, dtype: torch.dtype, temperature: float) -> Tensor:
     # the head's own dtype for the matmul (the model's logits), then the compute dtype
     z = F.linear(h, weight[cols], None if bias is None else bias[cols])
@@ -241,18 +247,20 @@ class _TokenLogprobsFromHidden(torch.autograd.Function):
         for block, tiles in _blocks(n, vocab, device, chunk_size, vocab_chunk_size):
             h, y = h2[block], ids[block]
             tile_lse = torch.empty((len(tiles), h.shape[0]), dtype=dtype, device=device)
-            sel = selected[block]
+            tile_sel = torch.empty((len(tiles), h.shape[0]), dtype=dtype, device=device)
 
             def work(item: tuple[int, slice], state: Any) -> None:
                 k, cols = item
                 z = _tile_logits(h, weight, bias, cols, dtype, temperature)
                 tile_lse[k] = torch.logsumexp(z, dim=-1)
-                # each row's id lies in exactly one tile: that tile writes its selected logit
-                here = ((y >= cols.start) & (y < cols.stop)).nonzero().squeeze(1)
-                sel[here] = z[here, y[here] - cols.start]
+                # each row's id lies in exactly one tile, which gives its logit; the others give 0
+                # (no index lists: nonzero() would wait for the device once per tile)
+                here, col = _in_tile(y, cols)
+                tile_sel[k] = torch.where(here, z.gather(1, col).squeeze(1), 0)
 
             run_chunks(work, list(enumerate(tiles)), device)
             lse[block] = torch.logsumexp(tile_lse, dim=0)
+            selected[block] = tile_sel.sum(dim=0)  # one logit and zeros: exact
         out = selected - lse
         if ignored is not None:
             out = out.masked_fill_(ignored, 0)
@@ -296,8 +304,8 @@ class _TokenLogprobsFromHidden(torch.autograd.Function):
             def work(cols: slice, state: Any) -> None:
                 g = _tile_logits(h, weight, bias, cols, dtype, temperature)
                 g = g.sub_(lb).exp_().mul_(sb.neg())
-                here = ((y >= cols.start) & (y < cols.stop)).nonzero().squeeze(1)
-                g[here, y[here] - cols.start] += sb[here, 0]
+                here, col = _in_tile(y, cols)
+                g.scatter_add_(1, col, torch.where(here.unsqueeze(1), sb, 0))
                 if ign is not None:
                     g.masked_fill_(ign, 0)
                 gm = g.to(weight.dtype)  # the matmuls in the head's dtype, as autograd would
