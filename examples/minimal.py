@@ -31,8 +31,7 @@ class PositionPolicy(nn.Module):
 
     def logprob(self, tokens: Tensor) -> Tensor:
         """``[b, t]`` log-probabilities of ``tokens`` ``[b, t]``."""
-        logp = self.logits.log_softmax(-1).expand(tokens.shape[0], -1, -1)
-        return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        return lk.token_logprobs(self.logits.expand(tokens.shape[0], -1, -1), tokens)
 
     def sample(self, batch_size: int) -> Tensor:
         return torch.distributions.Categorical(logits=self.logits).sample((batch_size,))

@@ -181,8 +181,12 @@ def response_logits(model: nn.Module, tokens: Tensor, prompt_len: int) -> Tensor
 
 
 def token_logprobs(logits: Tensor, tokens: Tensor) -> Tensor:
-    """``log softmax(logits)[..., tokens]``: ``[b, t, V]`` and ``[b, t]`` -> ``[b, t]``."""
-    return torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    """``log softmax(logits)[..., tokens]``: ``[b, t, V]`` and ``[b, t]`` -> ``[b, t]`` (float32).
+
+    Chunked and exact (:func:`lightning_kl.token_logprobs`): no float32 copy of the logits is kept
+    for backward. PAD after a sequence's EOS is a valid id; the mask drops those positions later.
+    """
+    return lk.token_logprobs(logits, tokens)
 
 
 def exact_kl(logits: Tensor, ref_logits: Tensor) -> Tensor:

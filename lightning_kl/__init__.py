@@ -6,7 +6,8 @@ from lightning_kl.controllers import AdaptiveKLController, FixedKLController, KL
 from lightning_kl.estimators import BASE_ESTIMATORS, ESTIMATORS, SAMPLED_ESTIMATORS, EstimatorSpec, parse_estimator
 from lightning_kl import hf  # imports neither transformers nor peft
 from lightning_kl.functional import AGG_MODES, aggregate, kl_penalty
-from lightning_kl.kernels.full import full_kl
+from lightning_kl.kernels.full import full_kl, full_kl_from_hidden
+from lightning_kl.logprobs import FromHidden, token_logprobs, token_logprobs_from_hidden
 from lightning_kl.loss import KLPenaltyLoss
 from lightning_kl.metric import KLMetric
 from lightning_kl.sequence import LEVELS
@@ -20,6 +21,7 @@ __all__ = [
     "AdaptiveKLController",
     "EstimatorSpec",
     "FixedKLController",
+    "FromHidden",
     "KLController",
     "KLMetric",
     "KLPenaltyLoss",
@@ -28,8 +30,11 @@ __all__ = [
     "SAMPLED_ESTIMATORS",
     "aggregate",
     "full_kl",
+    "full_kl_from_hidden",
     "hf",
     "kl_penalty",
     "parse_estimator",
     "step_totals",
+    "token_logprobs",
+    "token_logprobs_from_hidden",
 ]

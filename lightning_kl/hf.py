@@ -33,6 +33,9 @@ from typing import Any, Iterator, Sequence, Union
 import torch
 from torch import Tensor
 
+from lightning_kl.ground.checks import check_temperature
+from lightning_kl.logprobs import token_logprobs
+
 __all__ = [
     "adapters_disabled",
     "reference_logprobs",
@@ -41,14 +44,6 @@ __all__ = [
     "response_mask",
     "sequence_inputs",
 ]
-
-
-def _token_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> Tensor:
-    # stand-in for lk.token_logprobs (issue 12) until it lands: the plain composition, same result
-    # (float32, or float64 for float64 logits); the one place to switch to the lean kernel
-    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    logp = torch.log_softmax(logits.to(dtype) / temperature, dim=-1)
-    return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
 def _check_prompt_length(prompt_length: int, seq_len: int, what: str) -> None:
@@ -198,8 +193,8 @@ def response_logprobs(
         return_logits: also return the response logits (for the ``full`` estimator or the exact KL).
 
     Raises:
-        ValueError: if ``sequences`` and ``attention_mask`` differ in shape or ``prompt_length`` is
-            out of range.
+        ValueError: if ``sequences`` and ``attention_mask`` differ in shape, ``prompt_length`` is
+            out of range or ``temperature`` is not a finite number > 0 (before the forward pass).
     """
     if sequences.dim() != 2 or attention_mask.shape != sequences.shape:
         raise ValueError(
@@ -207,8 +202,7 @@ def response_logprobs(
             f"and {tuple(attention_mask.shape)}."
         )
     _check_prompt_length(prompt_length, sequences.shape[1], "sequences")
-    if not temperature > 0:
-        raise ValueError(f"`temperature` must be > 0, got {temperature!r}.")
+    temperature = check_temperature(temperature)  # before the forward pass, not after it
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     t = sequences.shape[1] - prompt_length
     out = model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids,
@@ -216,7 +210,8 @@ def response_logprobs(
     logits = out.logits
     # logits_to_keep=t+1 keeps the last t+1 positions; a model that ignores it returns all of them
     logits = response_logits(logits, logits.shape[1] - t)
-    logprobs = _token_logprobs(logits, sequences[:, prompt_length:], temperature=temperature)
+    # chunked and exact, with no float32 copy of the logits (bf16 models): lk.token_logprobs
+    logprobs = token_logprobs(logits, sequences[:, prompt_length:], temperature=temperature)
     return (logprobs, logits) if return_logits else logprobs
 
 

@@ -16,6 +16,7 @@ from lightning_kl.functional import aggregate, aggregate_counts, check_old_logpr
 from lightning_kl.ground.checks import (
     check_agg_mode,
     check_count,
+    check_full_hidden_inputs,
     check_full_inputs,
     check_mask,
     check_max_weight,
@@ -23,7 +24,8 @@ from lightning_kl.ground.checks import (
     check_temperature,
     reject_old_logprob,
 )
-from lightning_kl.kernels.full import full_kl_compute
+from lightning_kl.kernels.full import full_kl_compute, full_kl_from_hidden_compute
+from lightning_kl.logprobs import FromHidden
 from lightning_kl.metric import KLMetric
 from lightning_kl.sequence import (
     check_kl_to_go,
@@ -90,6 +92,10 @@ class KLPenaltyLoss(nn.Module):
     ``[b, t, V]`` and a ``[b, t]`` mask, and aggregates the exact per-token KL over the vocabulary
     (:mod:`lightning_kl.kernels.full`, chunked: no ``[b, t, V]`` temporaries) exactly as above; the metric
     gets those values. ``old_logprob`` is an error there: the exact KL needs no importance weights.
+    In place of the logits it also takes one :class:`~lightning_kl.FromHidden` per model (the last
+    hidden states and the LM head): the logits are then made chunk by chunk and never held whole
+    (:func:`~lightning_kl.full_kl_from_hidden`),
+    ``self.kl(lk.FromHidden(hidden, lm_head.weight), lk.FromHidden(ref_hidden, ref_head.weight), mask)``.
 
     Shapes in ``forward``: ``logprob``, ``ref_logprob`` and ``mask`` are ``[b, t]`` (any shape,
     the same for all three). Half precision inputs are computed and reduced in float32; the loss is
@@ -161,8 +167,8 @@ class KLPenaltyLoss(nn.Module):
 
     def forward(
         self,
-        logprob: Tensor,
-        ref_logprob: Tensor,
+        logprob: Tensor | FromHidden,
+        ref_logprob: Tensor | FromHidden,
         mask: Optional[Tensor] = None,
         old_logprob: Optional[Tensor] = None,
         *,
@@ -173,7 +179,8 @@ class KLPenaltyLoss(nn.Module):
     ) -> Tensor:
         """The scalar KL loss; ``old_logprob`` (the sampling policy's) importance weights it.
 
-        For ``full``, ``logprob`` and ``ref_logprob`` are the logits ``[..., V]``, ``mask`` is ``[...]``;
+        For ``full``, ``logprob`` and ``ref_logprob`` are the logits ``[..., V]``, or one
+        :class:`~lightning_kl.FromHidden` each (hidden states and LM head); ``mask`` is ``[...]``;
         at ``level="sequence"`` it also needs ``sampled_logprob`` ``[...]``, the policy's
         (differentiable) log-probs of the sampled tokens (see :mod:`lightning_kl.sequence`).
 
@@ -187,7 +194,22 @@ class KLPenaltyLoss(nn.Module):
         process's and are summed over processes (as the micro-batch counts are otherwise). With
         ``k > 1`` and no total for a mode that divides by one, a warning is given once.
         """
-        if self.spec.base == "full":
+        from_hidden = isinstance(logprob, FromHidden), isinstance(ref_logprob, FromHidden)
+        if any(from_hidden) and not (self.spec.base == "full" and all(from_hidden)):
+            raise TypeError(
+                f"`lk.FromHidden` inputs take the 'full' estimator with one for each model, got "
+                f"{self.spec.name!r} with {type(logprob).__name__} and {type(ref_logprob).__name__}; for a "
+                "sampled estimator compute the log-probs with `lk.token_logprobs_from_hidden`."
+            )
+        if self.spec.base == "full" and all(from_hidden):
+            reject_old_logprob(old_logprob)
+            pol, ref = logprob, ref_logprob
+            mask = check_full_hidden_inputs(*pol, *ref, mask)
+            sampled_logprob = check_sampled_logprob(sampled_logprob, pol.hidden, self.level == "sequence")
+            kl = full_kl_from_hidden_compute(*pol, *ref, mask, self.temperature)
+            if sampled_logprob is not None:
+                kl = full_with_kl_to_go(kl, sampled_logprob, mask)
+        elif self.spec.base == "full":
             reject_old_logprob(old_logprob)
             mask = check_full_inputs(logprob, ref_logprob, mask)
             sampled_logprob = check_sampled_logprob(sampled_logprob, logprob, self.level == "sequence")

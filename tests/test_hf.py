@@ -236,7 +236,7 @@ def test_response_logprobs_at_a_temperature():
     assert logits.shape == (3, out.sequences.shape[1] - p, VOCAB)
     expected = torch.log_softmax(logits.double() / 0.5, -1).gather(-1, out.sequences[:, p:, None]).squeeze(-1)
     assert_close(lp.double(), expected, rtol=0, atol=1e-5)
-    with pytest.raises(ValueError, match="`temperature` must be > 0, got 0"):
+    with pytest.raises(ValueError, match="`temperature` must be a finite number > 0, got 0"):
         hf.response_logprobs(model, out.sequences, am, p, temperature=0)
 
 

@@ -18,12 +18,15 @@ __all__ = [
     "check_agg_mode",
     "check_count",
     "check_floating",
+    "check_full_hidden_inputs",
     "check_full_inputs",
+    "check_head",
     "check_mask",
     "check_matching",
     "check_max_weight",
     "check_sampled_temperature",
     "check_temperature",
+    "check_tokens",
     "compute_dtype",
     "reject_old_logprob",
 ]
@@ -183,3 +186,120 @@ def reject_old_logprob(old_logprob: Any) -> None:
             "the current policy, so it needs no importance weights (they correct sampled tokens drawn by an "
             "older policy). Drop `old_logprob`, or use a sampled estimator."
         )
+
+
+def check_tokens(
+    tokens: Any, lead: torch.Size, vocab: int, device: torch.device, like: str, ignore_index: Any
+) -> tuple[Tensor, Optional[Tensor]]:
+    """Check ``tokens`` (integer ids of shape ``lead``) against a vocabulary of ``vocab`` entries.
+
+    Returns the flat ``int64`` ids (ignored ones replaced by 0, so that they index safely) and the
+    flat bool mask of ignored tokens (None without ``ignore_index``). Costs one min/max over the ids
+    (a device sync on GPU).
+
+    Raises:
+        TypeError: for ``tokens`` that are not an integer tensor, or a bad ``ignore_index``.
+        ValueError: for a shape or device that does not match ``like`` (both named), or an id
+            outside ``[0, vocab)`` that is not ``ignore_index`` (the id and ``V`` named).
+    """
+    if ignore_index is not None and (isinstance(ignore_index, bool) or not isinstance(ignore_index, int)):
+        raise TypeError(f"`ignore_index` must be an int or None, got {ignore_index!r}.")
+    if not isinstance(tokens, Tensor):
+        raise TypeError(f"`tokens` must be a torch.Tensor of token ids, got {type(tokens).__name__}.")
+    if tokens.dtype == torch.bool or tokens.is_floating_point() or tokens.is_complex():
+        raise TypeError(f"`tokens` must be an integer tensor of token ids, got dtype {tokens.dtype}.")
+    if tokens.shape != lead:
+        raise ValueError(
+            f"`tokens` must have the shape of `{like}` without its last dimension: got tokens "
+            f"{tuple(tokens.shape)} and {like} {tuple(lead) + ('...',)} (expected tokens {tuple(lead)})."
+        )
+    if tokens.device != device:
+        raise ValueError(f"`tokens` is on {tokens.device} but `{like}` is on {device}.")
+    ids = tokens.reshape(-1).long()
+    ignored = None
+    if ignore_index is not None:
+        ignored = ids == ignore_index
+        ids = ids.masked_fill(ignored, 0)
+    if ids.numel() > 0:
+        lo, hi = torch.aminmax(ids)
+        if lo.item() < 0 or hi.item() >= vocab:
+            bad = int(ids[(ids < 0) | (ids >= vocab)][0])
+            hint = f" or `ignore_index` ({ignore_index})" if ignore_index is not None else " (set `ignore_index` for label padding such as -100)"
+            raise ValueError(f"token id {bad} is out of range for a vocabulary of V={vocab}: ids must be in [0, {vocab}){hint}.")
+    return ids, ignored
+
+
+def check_head(hidden: Any, weight: Any, bias: Any, prefix: str = "") -> None:
+    """Check ``hidden [..., d]``, ``weight [V, d]`` and ``bias [V]`` (or None): one dtype, one device.
+
+    ``prefix`` names a second head in messages (``"ref_"`` gives ``ref_hidden``...).
+
+    Raises:
+        TypeError: for inputs that are not floating point tensors.
+        ValueError: for shapes, dtypes or devices that do not match (all named).
+    """
+    hn, wn, bn = f"{prefix}hidden", f"{prefix}weight", f"{prefix}bias"
+    check_floating(hn, hidden)
+    check_floating(wn, weight)
+    if hidden.ndim == 0:
+        raise ValueError(f"`{hn}` must be `[..., d]` with a hidden dimension, got a scalar.")
+    if weight.ndim != 2 or weight.shape[1] != hidden.shape[-1] or weight.shape[0] == 0:
+        raise ValueError(
+            f"`{wn}` must be the LM head `[V, d]` with V >= 1 and d = {hn}.shape[-1]: got {wn} {tuple(weight.shape)} "
+            f"and {hn} {tuple(hidden.shape)}."
+        )
+    if weight.dtype != hidden.dtype:
+        raise ValueError(f"`{hn}` and `{wn}` must have one dtype: got {hidden.dtype} and {weight.dtype}.")
+    if weight.device != hidden.device:
+        raise ValueError(f"`{hn}` is on {hidden.device} but `{wn}` is on {weight.device}.")
+    if bias is not None:
+        check_floating(bn, bias)
+        if bias.shape != weight.shape[:1]:
+            raise ValueError(f"`{bn}` must be `[V]` = ({weight.shape[0]},) for {wn} {tuple(weight.shape)}, got {tuple(bias.shape)}.")
+        if bias.dtype != weight.dtype or bias.device != weight.device:
+            raise ValueError(
+                f"`{bn}` must have the dtype and device of `{wn}`: got {bias.dtype} on {bias.device} and "
+                f"{weight.dtype} on {weight.device}."
+            )
+
+
+def check_full_hidden_inputs(
+    hidden: Any,
+    weight: Any,
+    bias: Any,
+    ref_hidden: Any,
+    ref_weight: Any,
+    ref_bias: Any,
+    mask: Optional[Tensor],
+) -> Optional[Tensor]:
+    """Check both heads (:func:`check_head`), that they make logits of one shape, and ``mask [...]``.
+
+    Returns the mask as bool (or None).
+
+    Raises:
+        TypeError: for inputs that are not floating point tensors, or a mask that is not a tensor.
+        ValueError: for shapes, dtypes or devices that do not match (named).
+    """
+    check_head(hidden, weight, bias)
+    check_head(ref_hidden, ref_weight, ref_bias, prefix="ref_")
+    lead, vocab = hidden.shape[:-1], weight.shape[0]
+    if ref_hidden.shape[:-1] != lead or ref_weight.shape[0] != vocab:
+        raise ValueError(
+            "the policy and the reference must make logits of one shape `[..., V]`: got hidden "
+            f"{tuple(hidden.shape)} with weight {tuple(weight.shape)} and ref_hidden {tuple(ref_hidden.shape)} "
+            f"with ref_weight {tuple(ref_weight.shape)}."
+        )
+    if ref_hidden.device != hidden.device:
+        raise ValueError(f"`hidden` is on {hidden.device} but `ref_hidden` is on {ref_hidden.device}.")
+    if mask is None:
+        return None
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"`mask` must be a torch.Tensor or None, got {type(mask).__name__}.")
+    if mask.shape != lead:
+        raise ValueError(
+            "`mask` must have the shape of `hidden` without the hidden dimension: got mask "
+            f"{tuple(mask.shape)} and hidden {tuple(hidden.shape)} (expected mask {tuple(lead)})."
+        )
+    if mask.device != hidden.device:
+        raise ValueError(f"`mask` is on {mask.device} but `hidden` is on {hidden.device}.")
+    return mask if mask.dtype == torch.bool else mask != 0

@@ -20,6 +20,11 @@ gradient. Beyond the inputs and the gradients, forward and backward hold a few `
 temporaries (the chunk is sized to stay in cache; on CPU, a few per torch thread: the chunks run
 concurrently on the package's chunk runner, :mod:`lightning_kl.ground.chunks`) and ``O(n)`` numbers.
 
+:func:`full_kl_from_hidden` runs the same chunks with the logits made from hidden states and LM heads
+(:class:`~lightning_kl.kernels.rows.LinearRows`), in forward and again in backward, so the ``[n, V]``
+logits never exist; each chunk's logits gradient :math:`G` then becomes :math:`G W` for the hidden
+states, and adds :math:`G^\top h` and :math:`\sum G` to the head's gradients.
+
 Conventions:
 
 * The maths runs in the inputs' promoted dtype, at least float32 (bf16/fp16 logits are read chunk
@@ -36,6 +41,7 @@ Conventions:
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any, Optional
 
@@ -43,10 +49,11 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from lightning_kl.ground.checks import check_full_inputs, check_temperature, compute_dtype
+from lightning_kl.ground.checks import check_full_hidden_inputs, check_full_inputs, check_temperature, compute_dtype
 from lightning_kl.ground.chunks import pool_active, run_chunks
+from lightning_kl.kernels.rows import LinearRows, Rows
 
-__all__ = ["full_kl", "full_kl_compute"]
+__all__ = ["full_kl", "full_kl_compute", "full_kl_from_hidden", "full_kl_from_hidden_compute"]
 
 # Elements per chunk (rows = elements // V). On CPU a chunk's float32 temporaries stay in cache,
 # so only the inputs and the gradients travel through main memory: at 2048 x 32768 on one thread,
@@ -59,6 +66,13 @@ __all__ = ["full_kl", "full_kl_compute"]
 CPU_CHUNK_ELEMENTS = 2**19
 CPU_SERIAL_CHUNK_ELEMENTS = 2**20  # CPU without the pool: fewer, larger parallel ops
 CUDA_CHUNK_ELEMENTS = 2**25
+
+# From hidden states a chunk's logits are a matmul that reads the whole head: it needs enough rows
+# to be compute bound rather than a re-read of [V, d] per few tokens. 2^23 elements is 55 rows at
+# V = 151,936 (32 MiB per float32 buffer, a few per CPU worker thread).
+HIDDEN_CPU_CHUNK_ELEMENTS = 2**23
+HIDDEN_CUDA_CHUNK_ELEMENTS = 2**25
+HIDDEN_MIN_CHUNK_ROWS = 16
 
 
 
@@ -116,10 +130,80 @@ def full_kl_compute(
 ) -> Tensor:
     """:func:`full_kl` on checked inputs (``mask`` bool or None): the dispatch target of every caller."""
     temperature = check_temperature(temperature)
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(f"`chunk_size` must be a positive integer or None, got {chunk_size!r}.")
+    _check_chunk_size(chunk_size)
     mask_flat = None if mask is None else mask.reshape(-1)
     return _FullKL.apply(logits, ref_logits, mask_flat, temperature, chunk_size)
+
+
+def full_kl_from_hidden(
+    hidden: Tensor,
+    weight: Tensor,
+    ref_hidden: Tensor,
+    ref_weight: Tensor,
+    mask: Optional[Tensor] = None,
+    *,
+    bias: Optional[Tensor] = None,
+    ref_bias: Optional[Tensor] = None,
+    temperature: float = 1.0,
+    chunk_size: Optional[int] = None,
+) -> Tensor:
+    r""":func:`full_kl` of the logits ``hidden @ weight.T + bias`` and ``ref_hidden @ ref_weight.T + ref_bias``.
+
+    The same chunked maths, with each chunk of both models' logits made from the hidden states and
+    the LM heads (in the heads' dtype, as the models make them), in forward and again in backward:
+    the ``[..., V]`` logits never exist. Gradients w.r.t. every input that requires one (typically
+    the policy's hidden states and head; the reference needs none and costs only its matmuls).
+
+    Args:
+        hidden: ``[..., d]`` the policy's last hidden states; ``weight`` ``[V, d]`` its LM head.
+        ref_hidden: ``[..., d']`` the reference's; ``ref_weight`` ``[V, d']`` its head.
+        mask: optional ``[...]`` mask, True on valid tokens; 0 value and exactly 0 gradient elsewhere
+            (masked tokens are never computed).
+        bias, ref_bias: optional ``[V]`` head biases.
+        temperature: :math:`T > 0`, the policy's sampling temperature.
+        chunk_size: tokens per chunk (default: about :math:`2^{23}` logits per chunk on CPU,
+            :math:`2^{25}` on GPU, at least 16 tokens: a chunk's matmul reads the whole head).
+            The weight gradient adds up over chunks in a ``[V, d]`` buffer of the compute dtype.
+
+    Returns:
+        ``[...]`` KL per token, in the compute dtype (at least float32).
+
+    Raises:
+        ValueError: for shapes, dtypes or devices that do not match (named), a bad temperature or chunk size.
+        TypeError: for inputs that are not floating point tensors.
+
+    Example:
+        >>> h = torch.tensor([[1.0, 0.0], [0.0, 0.0]], requires_grad=True)
+        >>> w = torch.eye(2, requires_grad=True)
+        >>> kl = full_kl_from_hidden(h, w, torch.tensor([[0.0, 1.0], [0.0, 0.0]]), torch.eye(2))
+        >>> kl  # row 0: logits [1, 0] against [0, 1]: p = (0.7311, 0.2689), KL = (0.7311 - 0.2689) * 1
+        tensor([0.4621, 0.0000], grad_fn=<_FullKLFromHiddenBackward>)
+    """
+    mask = check_full_hidden_inputs(hidden, weight, bias, ref_hidden, ref_weight, ref_bias, mask)
+    return full_kl_from_hidden_compute(hidden, weight, bias, ref_hidden, ref_weight, ref_bias, mask, temperature, chunk_size)
+
+
+def full_kl_from_hidden_compute(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    ref_hidden: Tensor,
+    ref_weight: Tensor,
+    ref_bias: Optional[Tensor],
+    mask: Optional[Tensor],
+    temperature: float = 1.0,
+    chunk_size: Optional[int] = None,
+) -> Tensor:
+    """:func:`full_kl_from_hidden` on checked inputs (``mask`` bool or None)."""
+    temperature = check_temperature(temperature)
+    _check_chunk_size(chunk_size)
+    mask_flat = None if mask is None else mask.reshape(-1)
+    return _FullKLFromHidden.apply(hidden, weight, bias, ref_hidden, ref_weight, ref_bias, mask_flat, temperature, chunk_size)
+
+
+def _check_chunk_size(chunk_size: Any) -> None:
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"`chunk_size` must be a positive integer or None, got {chunk_size!r}.")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -131,31 +215,6 @@ def full_kl_compute(
 # the safe path, which sets 0 log 0 = 0 (two more passes per chunk, paid only by those rows).
 
 
-class _Rows:
-    """A ``[..., V]`` tensor read by chunks of flat token indices, without copying it whole.
-
-    A chunk is a slice of the ``[n, V]`` view when the leading dims can be viewed as one, else it is
-    gathered (``index_select``, or multi-dimensional indices for a slice like ``logits[:, :-1]``).
-    """
-
-    def __init__(self, x: Tensor) -> None:
-        self.x = x
-        self.lead = x.shape[:-1]
-        try:
-            self.flat: Optional[Tensor] = x.view(-1, x.shape[-1])
-        except RuntimeError:
-            self.flat = None
-
-    def read(self, idx: slice | Tensor) -> tuple[Tensor, bool]:
-        """The rows ``idx`` as ``[c, V]``, and whether that is a fresh copy (ours to overwrite)."""
-        if isinstance(idx, slice):
-            assert self.flat is not None
-            return self.flat[idx], False
-        if self.flat is not None:
-            return self.flat.index_select(0, idx), True
-        return self.x[torch.unravel_index(idx, self.lead)], True
-
-
 def _chunks(rows: Optional[Tensor], n_work: int, chunk_size: int) -> Iterator[tuple[slice, slice | Tensor]]:
     """``(positions in the work list, row indices)`` per chunk; ``rows`` None: all rows in order."""
     for start in range(0, n_work, chunk_size):
@@ -163,7 +222,7 @@ def _chunks(rows: Optional[Tensor], n_work: int, chunk_size: int) -> Iterator[tu
         yield pos, (pos if rows is None else rows[pos])
 
 
-def _log_probs(src: _Rows, idx: slice | Tensor, dtype: torch.dtype, temperature: float) -> Tensor:
+def _log_probs(src: Rows | LinearRows, idx: slice | Tensor, dtype: torch.dtype, temperature: float) -> Tensor:
     chunk, fresh = src.read(idx)
     z = chunk.to(dtype)
     if temperature != 1.0:
@@ -228,92 +287,216 @@ class _FullKL(torch.autograd.Function):
         temperature: float,
         chunk_size: Optional[int],
     ) -> Tensor:
-        vocab = logits.shape[-1]
-        lead = logits.shape[:-1]
-        n = math.prod(lead)
         dtype = compute_dtype(logits, ref_logits)
-        device = logits.device
         if chunk_size is None:
-            chunk_size = max(1, _chunk_elements(device) // max(vocab, 1))
-        src, ref = _Rows(logits), _Rows(ref_logits)
-
-        # the work list: the valid tokens (padding is never read), None for all of them in order
-        rows: Optional[Tensor] = None
-        if mask_flat is not None:
-            rows = mask_flat.nonzero().squeeze(-1)
-        elif src.flat is None or ref.flat is None:
-            rows = torch.arange(n, device=device)
-        n_work = n if rows is None else rows.numel()
-
-        kl = torch.empty(n_work, dtype=dtype, device=device)
-
-        def fast(chunk: tuple[slice, slice | Tensor]) -> None:
-            pos, idx = chunk
-            logp = _log_probs(src, idx, dtype, temperature)
-            kl[pos] = _chunk_kl(logp, _log_probs(ref, idx, dtype, temperature), safe=False)
-
-        _for_each(fast, list(_chunks(rows, n_work, chunk_size)), device)
-        # rows to redo on the safe path (a -inf policy logit, or NaN logits, which stay NaN)
-        redo = kl.isnan().nonzero().squeeze(-1)
-        redo_rows = redo if rows is None else rows[redo]
-        for pos, idx in _chunks(redo_rows, redo.numel(), chunk_size):
-            logp = _log_probs(src, idx, dtype, temperature)
-            kl[redo[pos]] = _chunk_kl(logp, _log_probs(ref, idx, dtype, temperature), safe=True)
-
-        out = kl if n_work == n else torch.zeros(n, dtype=dtype, device=device).index_copy_(0, rows, kl)
-        ctx.save_for_backward(logits, ref_logits, mask_flat, rows, kl, redo, redo_rows)
+            chunk_size = max(1, _chunk_elements(logits.device) // max(logits.shape[-1], 1))
+        out, saved = _forward(Rows(logits), Rows(ref_logits), mask_flat, dtype, temperature, chunk_size)
+        ctx.save_for_backward(logits, ref_logits, mask_flat, *saved)
         ctx.temperature, ctx.chunk_size, ctx.dtype = temperature, chunk_size, dtype
-        return out.view(lead)
+        return out.view(logits.shape[:-1])
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Optional[Tensor], ...]:
-        logits, ref_logits, mask_flat, rows, kl, redo, redo_rows = ctx.saved_tensors
+        logits, ref_logits, mask_flat, *saved = ctx.saved_tensors
         need_z, need_ref = bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1])
-        temperature, chunk_size, dtype = ctx.temperature, ctx.chunk_size, ctx.dtype
-        device = logits.device
-        src, ref = _Rows(logits), _Rows(ref_logits)
-        n_work = kl.numel()
-        # d(loss)/d(KL) of each processed token, over T: the common factor of both formulas
-        g = grad_out.reshape(-1).to(dtype)
-        if rows is not None:
-            g = g.index_select(0, rows)
-        scale = (g / temperature).unsqueeze(-1)
-        kl = kl.unsqueeze(-1)
-
-        grad_z = _new_grad(logits, mask_flat, rows) if need_z else None
-        grad_ref = _new_grad(ref_logits, mask_flat, rows) if need_ref else None
-        def chunk_grads(at: slice | Tensor, idx: slice | Tensor, safe: bool) -> None:
-            out_z = _direct(grad_z, idx, dtype)
-            out_ref = _direct(grad_ref, idx, dtype)
-            gz, gr = _chunk_grads(
-                _log_probs(src, idx, dtype, temperature),
-                _log_probs(ref, idx, dtype, temperature),
-                kl[at],
-                scale[at],
-                need_z,
-                need_ref,
-                safe,
-                out_z,
-                out_ref,
-            )
-            # each chunk writes its own rows: chunks may run concurrently (_for_each)
-            if grad_z is not None and out_z is None:
-                _write(grad_z, idx, gz)
-            if grad_ref is not None and out_ref is None:
-                _write(grad_ref, idx, gr)
-
-        # the fast pass over every row, then the safe pass over the rows the forward redid
-        _for_each(lambda c: chunk_grads(c[0], c[1], False), list(_chunks(rows, n_work, chunk_size)), device)
-        redone = [(redo[pos], idx) for pos, idx in _chunks(redo_rows, redo.numel(), chunk_size)]
-        _for_each(lambda c: chunk_grads(c[0], c[1], True), redone, device)
+        rows = saved[0]
+        sink_z = _LogitsGrad(logits, mask_flat, rows) if need_z else None
+        sink_ref = _LogitsGrad(ref_logits, mask_flat, rows) if need_ref else None
+        _backward(Rows(logits), Rows(ref_logits), sink_z, sink_ref, saved, grad_out, ctx.temperature, ctx.chunk_size, ctx.dtype)
         return (
-            None if grad_z is None else grad_z.view(logits.shape),
-            None if grad_ref is None else grad_ref.view(ref_logits.shape),
+            None if sink_z is None else sink_z.result()[0],
+            None if sink_ref is None else sink_ref.result()[0],
             None,
             None,
             None,
         )
+
+
+class _FullKLFromHidden(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        hidden: Tensor,
+        weight: Tensor,
+        bias: Optional[Tensor],
+        ref_hidden: Tensor,
+        ref_weight: Tensor,
+        ref_bias: Optional[Tensor],
+        mask_flat: Optional[Tensor],
+        temperature: float,
+        chunk_size: Optional[int],
+    ) -> Tensor:
+        dtype = compute_dtype(hidden, ref_hidden)
+        if chunk_size is None:
+            chunk_size = max(HIDDEN_MIN_CHUNK_ROWS, _hidden_chunk_elements(hidden.device) // max(weight.shape[0], 1))
+        src, ref = LinearRows(hidden, weight, bias), LinearRows(ref_hidden, ref_weight, ref_bias)
+        out, saved = _forward(src, ref, mask_flat, dtype, temperature, chunk_size)
+        ctx.save_for_backward(hidden, weight, bias, ref_hidden, ref_weight, ref_bias, mask_flat, *saved)
+        ctx.temperature, ctx.chunk_size, ctx.dtype = temperature, chunk_size, dtype
+        return out.view(hidden.shape[:-1])
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Optional[Tensor], ...]:
+        hidden, weight, bias, ref_hidden, ref_weight, ref_bias, mask_flat, *saved = ctx.saved_tensors
+        need = [bool(x) for x in ctx.needs_input_grad[:6]]
+        src, ref = LinearRows(hidden, weight, bias), LinearRows(ref_hidden, ref_weight, ref_bias)
+        sink_z = _HeadGrad(src, *need[:3], ctx.dtype) if any(need[:3]) else None
+        sink_ref = _HeadGrad(ref, *need[3:], ctx.dtype) if any(need[3:]) else None
+        _backward(src, ref, sink_z, sink_ref, saved, grad_out, ctx.temperature, ctx.chunk_size, ctx.dtype)
+        grads_z = (None, None, None) if sink_z is None else sink_z.result()
+        grads_ref = (None, None, None) if sink_ref is None else sink_ref.result()
+        return (*grads_z, *grads_ref, None, None, None)
+
+
+def _forward(
+    src: Rows | LinearRows,
+    ref: Rows | LinearRows,
+    mask_flat: Optional[Tensor],
+    dtype: torch.dtype,
+    temperature: float,
+    chunk_size: int,
+) -> tuple[Tensor, tuple[Optional[Tensor], Tensor, Tensor, Tensor]]:
+    """The flat per-token KL, and ``(rows, kl, redo, redo_rows)`` for :func:`_backward`."""
+    n = math.prod(src.lead)
+    device = mask_flat.device if mask_flat is not None else (src.flat if src.flat is not None else src.x).device
+
+    # the work list: the valid tokens (padding is never read), None for all of them in order
+    rows: Optional[Tensor] = None
+    if mask_flat is not None:
+        rows = mask_flat.nonzero().squeeze(-1)
+    elif src.flat is None or ref.flat is None:
+        rows = torch.arange(n, device=device)
+    n_work = n if rows is None else rows.numel()
+
+    kl = torch.empty(n_work, dtype=dtype, device=device)
+
+    def fast(chunk: tuple[slice, slice | Tensor]) -> None:
+        pos, idx = chunk
+        logp = _log_probs(src, idx, dtype, temperature)
+        kl[pos] = _chunk_kl(logp, _log_probs(ref, idx, dtype, temperature), safe=False)
+
+    _for_each(fast, list(_chunks(rows, n_work, chunk_size)), device)
+    # rows to redo on the safe path (a -inf policy logit, or NaN logits, which stay NaN)
+    redo = kl.isnan().nonzero().squeeze(-1)
+    redo_rows = redo if rows is None else rows[redo]
+    for pos, idx in _chunks(redo_rows, redo.numel(), chunk_size):
+        logp = _log_probs(src, idx, dtype, temperature)
+        kl[redo[pos]] = _chunk_kl(logp, _log_probs(ref, idx, dtype, temperature), safe=True)
+
+    out = kl if n_work == n else torch.zeros(n, dtype=dtype, device=device).index_copy_(0, rows, kl)
+    return out, (rows, kl, redo, redo_rows)
+
+
+def _backward(
+    src: Rows | LinearRows,
+    ref: Rows | LinearRows,
+    sink_z: Optional[_LogitsGrad | _HeadGrad],
+    sink_ref: Optional[_LogitsGrad | _HeadGrad],
+    saved: list[Tensor],
+    grad_out: Tensor,
+    temperature: float,
+    chunk_size: int,
+    dtype: torch.dtype,
+) -> None:
+    """Every chunk's logits gradients, handed to the sinks (which turn them into the inputs' gradients)."""
+    rows, kl, redo, redo_rows = saved
+    device = grad_out.device
+    n_work = kl.numel()
+    # d(loss)/d(KL) of each processed token, over T: the common factor of both formulas
+    g = grad_out.reshape(-1).to(dtype)
+    if rows is not None:
+        g = g.index_select(0, rows)
+    scale = (g / temperature).unsqueeze(-1)
+    kl = kl.unsqueeze(-1)
+
+    def chunk_grads(at: slice | Tensor, idx: slice | Tensor, safe: bool) -> None:
+        out_z = None if sink_z is None else sink_z.direct(idx, dtype)
+        out_ref = None if sink_ref is None else sink_ref.direct(idx, dtype)
+        gz, gr = _chunk_grads(
+            _log_probs(src, idx, dtype, temperature),
+            _log_probs(ref, idx, dtype, temperature),
+            kl[at],
+            scale[at],
+            sink_z is not None,
+            sink_ref is not None,
+            safe,
+            out_z,
+            out_ref,
+        )
+        # each chunk writes its own rows: chunks may run concurrently (_for_each)
+        if sink_z is not None and out_z is None:
+            sink_z.put(idx, gz)
+        if sink_ref is not None and out_ref is None:
+            sink_ref.put(idx, gr)
+
+    # the fast pass over every row, then the safe pass over the rows the forward redid
+    _for_each(lambda c: chunk_grads(c[0], c[1], False), list(_chunks(rows, n_work, chunk_size)), device)
+    redone = [(redo[pos], idx) for pos, idx in _chunks(redo_rows, redo.numel(), chunk_size)]
+    _for_each(lambda c: chunk_grads(c[0], c[1], True), redone, device)
+
+
+class _LogitsGrad:
+    """The gradient of a ``[..., V]`` logits input, written chunk by chunk."""
+
+    def __init__(self, x: Tensor, mask_flat: Optional[Tensor], rows: Optional[Tensor]) -> None:
+        self.shape = x.shape
+        self.grad = _new_grad(x, mask_flat, rows)
+
+    def direct(self, idx: slice | Tensor, dtype: torch.dtype) -> Optional[Tensor]:
+        return _direct(self.grad, idx, dtype)
+
+    def put(self, idx: slice | Tensor, chunk: Optional[Tensor]) -> None:
+        _write(self.grad, idx, chunk)
+
+    def result(self) -> tuple[Tensor]:
+        return (self.grad.view(self.shape),)
+
+
+class _HeadGrad:
+    """The gradients of ``hidden``, ``weight`` and ``bias`` from chunks ``G`` of the logits' gradient.
+
+    ``dh = G W`` row by row; ``dW = G^T h`` and ``db = sum G`` add up over the chunks in the compute
+    dtype (a ``[V, d]`` buffer, float32 for half weights, so that each element is rounded once).
+    """
+
+    def __init__(self, src: LinearRows, need_h: bool, need_w: bool, need_b: bool, dtype: torch.dtype) -> None:
+        self.src, self.dtype = src, dtype
+        w, device = src.weight, src.weight.device
+        self.grad_h = torch.zeros(src.flat.shape, dtype=src.dtype, device=device) if need_h else None
+        self.acc_w = torch.zeros(w.shape, dtype=dtype, device=device) if need_w else None
+        self.acc_b = torch.zeros(w.shape[0], dtype=dtype, device=device) if need_b else None
+        self.lock = threading.Lock()
+
+    def direct(self, idx: slice | Tensor, dtype: torch.dtype) -> Optional[Tensor]:
+        return None
+
+    def put(self, idx: slice | Tensor, g: Optional[Tensor]) -> None:
+        assert g is not None
+        if self.grad_h is not None:
+            part = torch.mm(g.to(self.src.weight.dtype), self.src.weight)
+            if isinstance(idx, slice):
+                self.grad_h[idx] = part
+            else:
+                self.grad_h.index_copy_(0, idx, part)
+        if self.acc_w is not None or self.acc_b is not None:
+            h = self.src.hidden_rows(idx).to(self.dtype)
+            with self.lock:  # chunks run concurrently and all add to the same [V, d]
+                if self.acc_w is not None:
+                    torch.addmm(self.acc_w, g.T, h, out=self.acc_w)
+                if self.acc_b is not None:
+                    self.acc_b += g.sum(0)
+
+    def result(self) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+        grad_h = None if self.grad_h is None else self.grad_h.view(self.src.hidden.shape)
+        grad_w = None if self.acc_w is None else self.acc_w.to(self.src.weight.dtype)
+        grad_b = None if self.acc_b is None else self.acc_b.to(self.src.weight.dtype)
+        return grad_h, grad_w, grad_b
+
+
+def _hidden_chunk_elements(device: torch.device) -> int:
+    return HIDDEN_CUDA_CHUNK_ELEMENTS if device.type != "cpu" else HIDDEN_CPU_CHUNK_ELEMENTS
 
 
 def _chunk_elements(device: torch.device) -> int:
