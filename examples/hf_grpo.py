@@ -107,17 +107,6 @@ def score(tokenizer: Any, responses: Tensor, mask: Tensor, problems: list[tuple[
     return torch.tensor(out, device=responses.device)
 
 
-def exact_kl(logits: Tensor, ref_logits: Tensor) -> Tensor:
-    r"""Per-token :math:`\sum_v \pi(v) (\log \pi(v) - \log \pi_{ref}(v))`: ``[b, t, V]`` -> ``[b, t]``.
-
-    Summed over a sampled response it is an unbiased estimate of the response's KL (the chain rule),
-    with no sampling noise within a position: the diagnostic that no estimator choice affects.
-    """
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    ref_logp = torch.log_softmax(ref_logits.float(), dim=-1)
-    return (logp.exp() * (logp - ref_logp)).sum(-1)
-
-
 def group_advantages(returns: Tensor, group: Tensor, eps: float = 1e-6) -> Tensor:
     """GRPO: each sequence's return minus its group's mean, over the group's std: ``[b]`` -> ``[b]``.
 
@@ -268,7 +257,9 @@ class ArithmeticDataModule(pl.LightningDataModule):
             logprobs=logprobs,
             ref_logprobs=ref_logprobs,
             group=torch.arange(n_prompts, device=seq.device).repeat_interleave(h.group_size),
-            true_kl=torch.where(mask, exact_kl(logits / h.temperature, ref_logits / h.temperature), 0.0),
+            # the exact KL of the next-token distributions over the vocabulary (0 on padding): summed
+            # over a response, an unbiased estimate of the responses' KL (chain rule), no estimator noise
+            true_kl=lk.kl_penalty(logits, ref_logits, "full", mask=mask, temperature=h.temperature),
         )
         return batch
 
