@@ -22,7 +22,8 @@ Everything is made here, on a CPU, with no download:
    comes from the policy that the previous step left), so a :class:`lightning_kl.KLRewardCallback`
    can shape the rewards. ``training_step`` is GRPO: group-normalized advantages, token-level ratio
    (clipped), plus the KL term from :class:`lightning_kl.KLPenaltyLoss` (estimator, coefficient and
-   level from the YAML).
+   level from the YAML). Every log-prob comes from :func:`lightning_kl.hf.response_logprobs`, which
+   reads the logits with :func:`lightning_kl.token_logprobs`.
 
 Notation: ``b`` sequences in a rollout (``prompts_per_rollout * group_size``), ``p`` the padded prompt
 length, ``t`` the response length (at most ``max_new_tokens``), ``V`` the vocabulary size.
