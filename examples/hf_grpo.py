@@ -1,0 +1,581 @@
+r"""GRPO on a Hugging Face ``transformers`` policy with LoRA; the reference is the same model, adapters off.
+
+    python examples/hf_grpo.py fit --config examples/configs/hf_grpo_lora.yaml
+
+Everything is made here, on a CPU, with no download:
+
+1. **Tokenizer.** A character-level ``PreTrainedTokenizerFast`` built with ``tokenizers``:
+   ``<pad> <bos> <eos> 0-9 + =``, left padding.
+2. **Task.** ``a+b=`` with ``a, b`` in ``[0, max_operand)``; the answer is checked exactly (reward 1
+   if the response before its first EOS is the decimal sum, else 0). The prompts have 3 to 5
+   characters, so a rollout batch is left-padded.
+3. **Reference.** A ``Qwen2ForCausalLM`` (or ``LlamaForCausalLM``) built from a config with random
+   weights, pretrained on a corpus that this file generates where only a share ``p_correct`` of the
+   answers are right: the others copy one of the two operands (a "careless" answer). The reference
+   learns both habits; RL has to drop the careless one. Cached under ``cache_dir`` keyed by its
+   configuration, so later runs load it in no time.
+4. **Policy.** LoRA adapters from ``peft`` on the reference's weights. The reference log-probs come from
+   the same model with the adapters disabled (:func:`lightning_kl.hf.reference_logprobs`): no second
+   copy of the weights.
+5. **RL.** Rollouts are sampled with ``model.generate`` (groups of ``group_size`` answers per prompt)
+   *inside the data pipeline* (:class:`RolloutDataset`, with a length, so no prefetch: every rollout
+   comes from the policy that the previous step left), so a :class:`lightning_kl.KLRewardCallback`
+   can shape the rewards. ``training_step`` is GRPO: group-normalized advantages, token-level ratio
+   (clipped), plus the KL term from :class:`lightning_kl.KLPenaltyLoss` (estimator, coefficient and
+   level from the YAML). Every log-prob comes from :func:`lightning_kl.hf.response_logprobs`, which
+   reads the logits with :func:`lightning_kl.token_logprobs`.
+
+Notation: ``b`` sequences in a rollout (``prompts_per_rollout * group_size``), ``p`` the padded prompt
+length, ``t`` the response length (at most ``max_new_tokens``), ``V`` the vocabulary size.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import os
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.utilities import rank_zero_info
+from torch import Tensor
+from torch.utils.data import DataLoader, IterableDataset
+
+import lightning_kl as lk
+from lightning_kl import hf
+
+# ---------------------------------------------------------------------------------------------
+# tokenizer and task
+
+SPECIALS = ("<pad>", "<bos>", "<eos>")
+CHARS = "0123456789+="
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+VOCAB_SIZE = len(SPECIALS) + len(CHARS)
+
+
+def build_tokenizer() -> Any:
+    """A character-level ``PreTrainedTokenizerFast``: one token per character, left padding."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate([*SPECIALS, *CHARS])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()  # "1", "2" -> "12"
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", padding_side="left"
+    )
+
+
+def sample_problems(n: int, max_operand: int, generator: torch.Generator) -> list[tuple[int, int]]:
+    """``n`` pairs ``(a, b)``, uniform in ``[0, max_operand)^2``."""
+    ab = torch.randint(max_operand, (n, 2), generator=generator)
+    return [(int(a), int(b)) for a, b in ab]
+
+
+def prompt_text(a: int, b: int) -> str:
+    return f"<bos>{a}+{b}="
+
+
+def corpus_lines(n: int, max_operand: int, p_correct: float, generator: torch.Generator) -> list[str]:
+    """Pretraining lines ``<bos>a+b=s<eos>``: ``s = a + b`` with probability ``p_correct``, else ``a`` or ``b``."""
+    problems = sample_problems(n, max_operand, generator)
+    correct = (torch.rand(n, generator=generator) < p_correct).tolist()
+    first = (torch.rand(n, generator=generator) < 0.5).tolist()
+    return [
+        f"{prompt_text(a, b)}{a + b if ok else (a if f else b)}<eos>"
+        for (a, b), ok, f in zip(problems, correct, first)
+    ]
+
+
+def score(tokenizer: Any, responses: Tensor, mask: Tensor, problems: list[tuple[int, int]]) -> Tensor:
+    """1.0 where the response before its first EOS is exactly ``str(a + b)``, else 0.0: ``[b, t]`` -> ``[b]``.
+
+    A response without EOS (cut at ``max_new_tokens``) scores 0.
+    """
+    out = []
+    for row, valid, (a, b) in zip(responses.tolist(), mask.tolist(), problems):
+        tokens = [tok for tok, v in zip(row, valid) if v]
+        ended = bool(tokens) and tokens[-1] == EOS_ID
+        out.append(float(ended and tokenizer.decode(tokens[:-1]) == str(a + b)))
+    return torch.tensor(out, device=responses.device)
+
+
+def group_advantages(returns: Tensor, group: Tensor, eps: float = 1e-6) -> Tensor:
+    """GRPO: each sequence's return minus its group's mean, over the group's std: ``[b]`` -> ``[b]``.
+
+    A group whose returns are all equal gets 0 (nothing to learn from it).
+    """
+    n = torch.bincount(group).clamp(min=1).to(returns.dtype)
+    mean = torch.bincount(group, returns) / n
+    std = (torch.bincount(group, (returns - mean[group]) ** 2) / n).sqrt()
+    return (returns - mean[group]) / (std[group] + eps)
+
+
+def build_model(arch: str, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
+                intermediate_size: int, max_positions: int) -> Any:
+    """A small ``transformers`` causal LM with random weights, built from its config (no download)."""
+    import transformers
+
+    kwargs = dict(
+        vocab_size=VOCAB_SIZE, hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_positions, tie_word_embeddings=True,
+        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
+    )
+    if arch == "qwen2":
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**kwargs))
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**kwargs))
+
+
+def parameter_bytes(model: torch.nn.Module, trainable: Optional[bool] = None) -> int:
+    """Bytes of ``model``'s parameters (all, or only the trainable / frozen ones)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters()
+               if trainable is None or p.requires_grad == trainable)
+
+
+# ---------------------------------------------------------------------------------------------
+# the data pipeline: rollouts from the current policy
+
+
+class RolloutDataset(IterableDataset):
+    """Yields ``n_rollouts`` rollout batches sampled from ``module``'s current policy.
+
+    Each item is a dict: ``sequences [b, p + t]`` (prompt block, response block), ``attention_mask
+    [b, p + t]``, ``mask [b, t]`` (bool, the response up to and including its first EOS),
+    ``logprobs [b, t]`` (the sampling policy's), ``ref_logprobs [b, t]`` (adapters off),
+    ``scores [b]`` (1.0 if right), ``group [b]`` (prompt index), ``true_kl [b, t]`` (exact per-token KL).
+    """
+
+    def __init__(self, datamodule: "ArithmeticDataModule", module: "HFGRPO", n_rollouts: int) -> None:
+        self.dm = datamodule
+        self.module = module
+        self.n_rollouts = n_rollouts
+
+    def __len__(self) -> int:
+        # a length makes Lightning fetch each batch when it is needed instead of one ahead, so
+        # every rollout is sampled by the policy that the previous training_step left behind
+        return self.n_rollouts
+
+    def __iter__(self) -> Iterator[dict[str, Tensor]]:
+        for _ in range(self.n_rollouts):
+            yield self.dm.rollout(self.module)
+
+
+class ArithmeticDataModule(pl.LightningDataModule):
+    """The environment: the addition problems, the corpus, the reward, and the rollout stream.
+
+    Args:
+        max_operand: operands are in ``[0, max_operand)``.
+        p_correct: the share of right answers in the reference's pretraining corpus.
+        max_new_tokens: the response length limit (the longest answer and its EOS must fit).
+        prompts_per_rollout, group_size: a rollout is ``group_size`` samples of each of
+            ``prompts_per_rollout`` prompts.
+        rollouts: rollout batches per epoch (one ``training_step`` each).
+        temperature: the sampling temperature (the log-probs are taken at it too).
+        reference_samples: samples drawn from the reference at the start to measure its accuracy.
+    """
+
+    def __init__(
+        self,
+        max_operand: int = 14,
+        p_correct: float = 0.4,
+        max_new_tokens: int = 3,
+        prompts_per_rollout: int = 16,
+        group_size: int = 8,
+        rollouts: int = 300,
+        temperature: float = 1.0,
+        reference_samples: int = 1024,
+    ) -> None:
+        super().__init__()
+        if not 1 <= max_operand <= 1000:
+            raise ValueError(f"`max_operand` must be in [1, 1000], got {max_operand!r}.")
+        if not 0 <= p_correct <= 1:
+            raise ValueError(f"`p_correct` must be in [0, 1], got {p_correct!r}.")
+        if max_new_tokens < len(str(2 * max_operand - 2)) + 1:
+            raise ValueError(f"`max_new_tokens` {max_new_tokens} cannot hold the answer {2 * max_operand - 2} and EOS.")
+        if not temperature > 0:
+            raise ValueError(f"`temperature` must be > 0, got {temperature!r}.")
+        for name, value in [("prompts_per_rollout", prompts_per_rollout), ("group_size", group_size),
+                            ("rollouts", rollouts), ("reference_samples", reference_samples)]:
+            if not value >= 1:
+                raise ValueError(f"`{name}` must be >= 1, got {value!r}.")
+        self.save_hyperparameters()
+        self.tokenizer = build_tokenizer()
+
+    def corpus_config(self) -> dict[str, Any]:
+        return {"max_operand": self.hparams.max_operand, "p_correct": self.hparams.p_correct}
+
+    @property
+    def max_length(self) -> int:
+        """The longest prompt + response, in tokens (for the model's position table)."""
+        return 1 + 2 * len(str(self.hparams.max_operand - 1)) + 2 + self.hparams.max_new_tokens
+
+    def _generator(self, rank: int) -> torch.Generator:
+        # fresh prompts from the global RNG (seeded by seed_everything), distinct on every DDP rank
+        return torch.Generator().manual_seed(int(torch.randint(2**62, ())) + rank)
+
+    @torch.no_grad()
+    def sample(self, model: Any, problems: list[tuple[int, int]], device: torch.device) -> dict[str, Tensor]:
+        """Sample one answer per problem from ``model`` with ``generate``; masks and inputs for scoring."""
+        h = self.hparams
+        enc = self.tokenizer([prompt_text(a, b) for a, b in problems], return_tensors="pt", padding=True)
+        prompt_ids, prompt_am = enc["input_ids"].to(device), enc["attention_mask"].to(device)
+        sequences = model.generate(
+            input_ids=prompt_ids, attention_mask=prompt_am, do_sample=True, temperature=h.temperature,
+            top_k=0, top_p=1.0, max_new_tokens=h.max_new_tokens, pad_token_id=PAD_ID, eos_token_id=EOS_ID,
+        )
+        p = prompt_ids.shape[1]
+        mask = hf.response_mask(sequences[:, p:], EOS_ID)
+        attention_mask, _ = hf.sequence_inputs(prompt_am, mask)
+        scores = score(self.tokenizer, sequences[:, p:], mask, problems)
+        return {"sequences": sequences, "attention_mask": attention_mask, "mask": mask, "scores": scores}
+
+    @torch.no_grad()
+    def rollout(self, module: "HFGRPO", n_prompts: Optional[int] = None) -> dict[str, Tensor]:
+        """One rollout batch from ``module.policy`` (see :class:`RolloutDataset`)."""
+        h = self.hparams
+        n_prompts = h.prompts_per_rollout if n_prompts is None else n_prompts
+        problems = sample_problems(n_prompts, h.max_operand, self._generator(module.global_rank))
+        problems = [ab for ab in problems for _ in range(h.group_size)]
+        policy = module.policy
+        was_training = policy.training
+        policy.eval()
+        batch = self.sample(policy, problems, module.device)
+        seq, am, mask = batch["sequences"], batch["attention_mask"], batch["mask"]
+        p = seq.shape[1] - mask.shape[1]
+        logprobs, logits = hf.response_logprobs(policy, seq, am, p, h.temperature, return_logits=True)
+        ref_logprobs, ref_logits = hf.reference_logprobs(policy, seq, am, p, h.temperature, return_logits=True)
+        policy.train(was_training)
+        batch.update(
+            logprobs=logprobs,
+            ref_logprobs=ref_logprobs,
+            group=torch.arange(n_prompts, device=seq.device).repeat_interleave(h.group_size),
+            # the exact KL of the next-token distributions over the vocabulary (0 on padding): summed
+            # over a response, an unbiased estimate of the responses' KL (chain rule), no estimator noise
+            true_kl=lk.kl_penalty(logits, ref_logits, "full", mask=mask, temperature=h.temperature),
+        )
+        return batch
+
+    @torch.no_grad()
+    def reference_accuracy(self, module: "HFGRPO", n: Optional[int] = None) -> float:
+        """The accuracy of ``n`` (default ``reference_samples``) samples from the reference (adapters off)."""
+        h = self.hparams
+        n = h.reference_samples if n is None else n
+        problems = sample_problems(n, h.max_operand, self._generator(module.global_rank))
+        policy = module.policy
+        was_training = policy.training
+        policy.eval()
+        with hf.adapters_disabled(policy) as reference:
+            acc = float(self.sample(reference, problems, module.device)["scores"].mean())
+        policy.train(was_training)
+        return acc
+
+    def train_dataloader(self) -> DataLoader:
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        if not isinstance(module, HFGRPO):
+            raise RuntimeError("ArithmeticDataModule samples from the policy of the HFGRPO module of its Trainer.")
+        # batch_size=None: the dataset yields whole batches; num_workers=0: rollouts must see the
+        # policy's current weights, which live in this process
+        return DataLoader(RolloutDataset(self, module, self.hparams.rollouts), batch_size=None, num_workers=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# the LightningModule
+
+
+class HFGRPO(pl.LightningModule):
+    """GRPO with a KL term on a ``transformers`` causal LM with ``peft`` LoRA adapters.
+
+    Args:
+        arch: ``"qwen2"`` or ``"llama"``.
+        hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size: the model's shape.
+        pretrain_steps, pretrain_batch_size, pretrain_lr, pretrain_seed: stage 1, the reference.
+        cache_dir: where the pretrained reference is cached, one file per configuration.
+        lora_r, lora_alpha, lora_targets: the LoRA adapters (``peft.LoraConfig``).
+        lr: the RL learning rate (AdamW, adapters only).
+        kl_estimator, kl_coef, kl_agg, kl_level, kl_to_go: :class:`lightning_kl.KLPenaltyLoss`
+            (``kl_coef: 0`` keeps the KL out of the loss but still measures it). At ``level="sequence"``
+            the loss's expected gradient is that of the KL of whole responses; ``seq-mean-token-sum``
+            makes the term ``coef`` times the mean KL per response, exact for responses of any length.
+        clip_eps: the ratio clip (GRPO/PPO); bites only if a rollout is used for more than one step.
+    """
+
+    def __init__(
+        self,
+        arch: str = "qwen2",
+        hidden_size: int = 64,
+        num_layers: int = 2,
+        num_heads: int = 4,
+        num_kv_heads: int = 2,
+        intermediate_size: int = 128,
+        pretrain_steps: int = 800,
+        pretrain_batch_size: int = 128,
+        pretrain_lr: float = 3e-3,
+        pretrain_seed: int = 0,
+        cache_dir: str = "runs/hf_grpo/reference",
+        lora_r: int = 8,
+        lora_alpha: int = 16,
+        lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+        lr: float = 3e-3,
+        kl_estimator: str = "k3+",
+        kl_coef: float = 0.3,
+        kl_agg: str = "seq-mean-token-sum",
+        kl_level: str = "sequence",
+        kl_to_go: str = "k1",
+        clip_eps: float = 0.2,
+    ) -> None:
+        super().__init__()
+        if arch not in ("qwen2", "llama"):
+            raise ValueError(f"`arch` must be 'qwen2' or 'llama', got {arch!r}.")
+        if not (isinstance(pretrain_steps, int) and pretrain_steps >= 0):
+            raise ValueError(f"`pretrain_steps` must be an integer >= 0, got {pretrain_steps!r}.")
+        self.save_hyperparameters()
+        # the estimator name, coefficient, mode and level are validated here, before any step
+        self.kl = lk.KLPenaltyLoss(kl_estimator, coef=kl_coef, agg=kl_agg, level=kl_level, kl_to_go=kl_to_go)
+        if self.kl.spec.base == "full":
+            raise ValueError(
+                "`kl_estimator` 'full' needs both models' logits in training_step; this example passes "
+                f"sampled-token log-probs: use one of {sorted(lk.SAMPLED_ESTIMATORS)}."
+            )
+        self.policy: Any = None  # a peft PeftModel, made in setup() on the pretrained weights
+        self.ref_acc = float("nan")
+        self.pretrain_seconds = 0.0
+        self.reference_path: Optional[Path] = None
+        self.reference_cached = False
+        self.memory: dict[str, int] = {}
+        self._train_start = 0.0
+
+    # -- stage 1: the reference ----------------------------------------------------------------
+
+    def _build(self, max_positions: int) -> Any:
+        h = self.hparams
+        return build_model(h.arch, h.hidden_size, h.num_layers, h.num_heads, h.num_kv_heads,
+                           h.intermediate_size, max_positions)
+
+    def reference_key(self, dm: ArithmeticDataModule) -> str:
+        h = self.hparams
+        config = {
+            "model": [h.arch, h.hidden_size, h.num_layers, h.num_heads, h.num_kv_heads, h.intermediate_size],
+            "max_positions": dm.max_length,
+            "pretrain": [h.pretrain_steps, h.pretrain_batch_size, h.pretrain_lr, h.pretrain_seed],
+            "corpus": dm.corpus_config(),
+            "format": 1,
+        }
+        return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:12]
+
+    def pretrain(self, dm: ArithmeticDataModule) -> dict[str, Tensor]:
+        """Train a fresh model on the corpus; a function of the configuration alone (own RNG)."""
+        h = self.hparams
+        generator = torch.Generator().manual_seed(h.pretrain_seed)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(h.pretrain_seed)
+            model = self._build(dm.max_length).to(self.device)
+        opt = torch.optim.AdamW(model.parameters(), lr=h.pretrain_lr, weight_decay=0.0)
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=h.pretrain_lr, total_steps=max(h.pretrain_steps, 1))
+        for step in range(h.pretrain_steps):
+            lines = corpus_lines(h.pretrain_batch_size, dm.hparams.max_operand, dm.hparams.p_correct, generator)
+            enc = dm.tokenizer(lines, return_tensors="pt", padding=True).to(self.device)
+            labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)  # HF's ignore index
+            loss = model(**enc, labels=labels).loss
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+            if (step + 1) % max(h.pretrain_steps // 4, 1) == 0:
+                rank_zero_info(
+                    f"[hf_grpo] pretraining the reference: step {step + 1}/{h.pretrain_steps}, loss {loss.item():.3f}"
+                )
+        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+    def setup(self, stage: str) -> None:
+        if stage != "fit" or self.policy is not None:
+            return
+        import peft
+
+        dm = self.trainer.datamodule
+        if not isinstance(dm, ArithmeticDataModule):
+            raise RuntimeError("HFGRPO is trained with an ArithmeticDataModule (it holds the task and the reward).")
+        h = self.hparams
+        path = Path(h.cache_dir) / f"reference-{self.reference_key(dm)}.pt"
+        start = time.perf_counter()
+        if path.exists():
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            self.reference_cached = True
+            rank_zero_info(f"[hf_grpo] reference loaded from the cache: {path}")
+        else:
+            state = self.pretrain(dm)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            torch.save(state, tmp)
+            os.replace(tmp, path)  # atomic: a concurrent run (another DDP rank) never reads half a file
+            rank_zero_info(f"[hf_grpo] reference pretrained and cached: {path}")
+        self.pretrain_seconds = time.perf_counter() - start
+        self.reference_path = path
+        base = self._build(dm.max_length)
+        base.load_state_dict(state)
+        base_bytes = parameter_bytes(base)
+        # LoRA on the frozen pretrained weights: the policy; with the adapters disabled, the reference
+        lora = peft.LoraConfig(r=h.lora_r, lora_alpha=h.lora_alpha, target_modules=list(h.lora_targets),
+                               lora_dropout=0.0, bias="none")
+        with torch.random.fork_rng(devices=[]):  # the adapters' init does not shift the run's RNG
+            torch.manual_seed(h.pretrain_seed + 1)
+            self.policy = peft.get_peft_model(base, lora)
+        self.memory = {
+            "base": base_bytes,
+            "adapters": parameter_bytes(self.policy, trainable=True),
+            "reference_as_a_copy": base_bytes,
+            "reference_adapters_off": 0,
+        }
+
+    def on_fit_start(self) -> None:
+        acc = torch.tensor(self.trainer.datamodule.reference_accuracy(self), device=self.device)
+        self.ref_acc = float(self.trainer.strategy.reduce(acc, reduce_op="mean"))
+
+    def on_train_start(self) -> None:
+        self._train_start = time.perf_counter()
+
+    # -- stage 2: RL ---------------------------------------------------------------------------
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        params = [p for p in self.policy.parameters() if p.requires_grad]  # the adapters
+        return torch.optim.AdamW(params, lr=self.hparams.lr, weight_decay=0.0)
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        seq, am, mask = batch["sequences"], batch["attention_mask"], batch["mask"]
+        p = seq.shape[1] - mask.shape[1]
+        rewards = batch.get("rewards")  # [b, t], from KLRewardCallback if one is in the Trainer
+        returns = torch.where(mask, rewards, 0.0).sum(-1) if rewards is not None else batch["scores"]
+        adv = group_advantages(returns, batch["group"])[:, None]
+
+        logprobs = hf.response_logprobs(self.policy, seq, am, p, self.trainer.datamodule.hparams.temperature)
+        ratio = torch.exp(logprobs - batch["logprobs"])  # token-level; 1 on the first step over a rollout
+        clipped = ratio.clamp(1 - self.hparams.clip_eps, 1 + self.hparams.clip_eps)
+        pg_loss = lk.aggregate(-torch.minimum(ratio * adv, clipped * adv), mask, "token-mean")
+        kl_loss = self.kl(logprobs, batch["ref_logprobs"], mask, old_logprob=batch["logprobs"])
+        loss = pg_loss + kl_loss
+
+        n = mask.shape[0]
+        self.log("train/acc", batch["scores"].mean(), prog_bar=True, batch_size=n)
+        self.log("train/reward", returns.mean(), prog_bar=True, batch_size=n)
+        self.log("train/kl", lk.aggregate(batch["true_kl"], mask, "token-mean"), prog_bar=True, batch_size=n)
+        self.log("train/kl_seq", batch["true_kl"].sum(-1).mean(), batch_size=n)
+        self.log("train/kl_est", self.kl.metric, batch_size=n)
+        self.log("train/ref_acc", self.ref_acc, batch_size=n)
+        self.log("train/loss", loss.detach(), batch_size=n)
+        self.log("train/response_len", mask.sum(-1).float().mean(), batch_size=n)
+        self.log("train/elapsed_s", time.perf_counter() - self._train_start, batch_size=n)
+        return loss
+
+
+# ---------------------------------------------------------------------------------------------
+# the end of a run: plot and summary (from the CSV the run wrote)
+
+
+def read_metrics(csv_path: str | Path) -> dict[str, list[tuple[int, float]]]:
+    """``{column: [(step, value), ...]}`` of a CSVLogger ``metrics.csv`` (empty cells skipped)."""
+    series: dict[str, list[tuple[int, float]]] = {}
+    with open(csv_path, newline="") as f:
+        for row in csv.DictReader(f):
+            step = int(float(row["step"]))
+            for key, value in row.items():
+                if key in ("step", "epoch") or value in ("", None):
+                    continue
+                series.setdefault(key, []).append((step, float(value)))
+    return series
+
+
+def plot_run(series: dict[str, list[tuple[int, float]]], out: str | Path, title: str) -> None:
+    """Accuracy and exact KL against the wall-clock time of RL, in two panels, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    secs = [v for _, v in series["train/elapsed_s"]]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    ax = axes[0]
+    ax.plot(secs, [v for _, v in series["train/acc"]], label="policy (rollout mean)")
+    ax.axhline(series["train/ref_acc"][0][1], color="gray", ls="--", label="reference (adapters off)")
+    ax.set_title("accuracy of sampled answers")
+    ax.set_ylim(0, 1)
+    ax.legend()
+    ax = axes[1]
+    ax.plot(secs, [v for _, v in series["train/kl_seq"]], label="exact KL per response")
+    ax.set_title("KL(policy || reference), nats")
+    ax.legend()
+    for ax in axes:
+        ax.set_xlabel("seconds of RL")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.3f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
+
+
+class HFGRPOCLI(LightningCLI):
+    """LightningCLI that reports at the end: a plot, a summary, the parameter memory of the reference."""
+
+    def before_fit(self) -> None:
+        self._start = time.perf_counter()
+
+    def after_fit(self) -> None:
+        seconds = time.perf_counter() - self._start
+        trainer, module = self.trainer, self.model
+        if trainer.fast_dev_run or not isinstance(module, HFGRPO) or not trainer.is_global_zero:
+            return
+        csv_logger = next((lg for lg in trainer.loggers if isinstance(lg, CSVLogger)), None)
+        if csv_logger is None:
+            rank_zero_info(f"[hf_grpo] done in {seconds:.1f} s (no CSVLogger: no plot, no summary)")
+            return
+        log_dir = Path(csv_logger.log_dir)
+        series = read_metrics(log_dir / "metrics.csv")
+        png = log_dir / "hf_grpo.png"
+        h = module.hparams
+        plot_run(series, png, f"{csv_logger.name}: {h.kl_estimator}, coef {h.kl_coef}, level {h.kl_level}")
+        acc = [v for _, v in series["train/acc"]]
+        kl = [v for _, v in series["train/kl_seq"]]
+        k = max(len(acc) // 4, 1)
+        m = module.memory
+        how = "loaded from cache" if module.reference_cached else "pretrained"
+        print("\n".join([
+            f"[hf_grpo] {len(acc)} rollouts in {series['train/elapsed_s'][-1][1]:.1f} s of RL, "
+            f"{seconds:.1f} s in all (reference {how} in {module.pretrain_seconds:.1f} s)",
+            f"  accuracy: reference {module.ref_acc:.3f} -> final {sum(acc[-k:]) / k:.3f} (last quarter of rollouts)",
+            f"  KL      : exact, per response: mean {sum(kl) / len(kl):.3f}, max {max(kl):.3f}, "
+            f"last quarter {sum(kl[-k:]) / k:.3f} nats",
+            f"  memory  : base weights {_mib(m['base'])}, LoRA adapters {_mib(m['adapters'])}; reference as a "
+            f"copy +{_mib(m['reference_as_a_copy'])}, adapters off +0",
+            f"  files   : metrics {log_dir / 'metrics.csv'}",
+            f"            plot    {png}",
+            f"            config  {log_dir / 'config.yaml'}",
+            f"            reference {module.reference_path}",
+            f"  check   : python examples/check_hf_grpo.py {Path(csv_logger.save_dir)}",
+        ]))
+
+
+def main(args: Optional[list[str]] = None, run: bool = True) -> HFGRPOCLI:
+    # the rollout dataset has a length on purpose (no prefetch, see RolloutDataset) and is read in
+    # this process (num_workers=0), so Lightning's warning about lengths and workers does not apply
+    warnings.filterwarnings("ignore", message="Your `IterableDataset` has `__len__` defined")
+    # peft calls a transformers method that transformers 5 deprecates; nothing for a user to do
+    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated")
+    return HFGRPOCLI(HFGRPO, ArithmeticDataModule, args=args, run=run, save_config_kwargs={"overwrite": True})
+
+
+if __name__ == "__main__":
+    if "OMP_NUM_THREADS" not in os.environ:
+        # tiny matrices: a second intra-op thread buys little, and OpenMP threads that spin-wait on
+        # a busy 2-core machine can make a run many times slower
+        torch.set_num_threads(1)
+    main()

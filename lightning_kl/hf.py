@@ -1,0 +1,265 @@
+r"""Hugging Face ``transformers`` glue: response log-probs, EOS masks, and the reference for free.
+
+What every user of a ``transformers`` causal LM needs between ``model.generate`` and the KL term:
+
+* :func:`response_logits`: the logits that *predict* the response tokens (shifted by one);
+* :func:`response_mask`: True on the response up to and including its first EOS;
+* :func:`sequence_inputs`: the attention mask and position ids of prompt + response for one
+  forward pass that sees what ``generate`` saw (left-padded prompts);
+* :func:`response_logprobs`: ``log pi(y_t | x, y_<t)`` of the sampled response, float32, differentiable;
+* :func:`adapters_disabled` and :func:`reference_logprobs`: the same log-probs with the LoRA
+  adapters switched off and without gradient. With ``peft`` adapters on a frozen base model, the
+  base model *is* the reference, so the reference costs no second copy of the weights.
+
+Notation: ``b`` sequences, ``p`` prompt length (left-padded, the same for every row), ``t`` response
+length (``max_new_tokens`` or less), ``V`` vocabulary size. ``sequences = generate(...)`` is
+``[b, p + t]``: the prompt block ``sequences[:, :p]`` then the response block ``sequences[:, p:]``.
+
+Nothing here imports ``transformers`` or ``peft``: the functions take the model object you already
+have, so the core package does not depend on them (``pip install "lightning-kl[hf]"`` installs both).
+
+Example (a user's ``training_step``; ``batch`` from a rollout with ``model.generate``)::
+
+    logprobs = lk.hf.response_logprobs(model, batch["sequences"], batch["attention_mask"], p)
+    ref_logprobs = lk.hf.reference_logprobs(model, batch["sequences"], batch["attention_mask"], p)
+    loss = policy_loss + self.kl(logprobs, ref_logprobs, batch["mask"])
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterator, Sequence, Union
+
+import torch
+from torch import Tensor
+
+from lightning_kl.ground.checks import check_temperature
+from lightning_kl.logprobs import token_logprobs
+
+__all__ = [
+    "adapters_disabled",
+    "reference_logprobs",
+    "response_logits",
+    "response_logprobs",
+    "response_mask",
+    "sequence_inputs",
+]
+
+
+def _check_prompt_length(prompt_length: int, seq_len: int, what: str) -> None:
+    if isinstance(prompt_length, bool) or not isinstance(prompt_length, int):
+        raise TypeError(f"`prompt_length` must be an int, got {type(prompt_length).__name__}.")
+    if not 1 <= prompt_length < seq_len:
+        raise ValueError(
+            f"`prompt_length` must be in [1, {seq_len - 1}] for {what} of length {seq_len} "
+            f"(at least one prompt token and one response token), got {prompt_length}."
+        )
+
+
+def response_logits(logits: Tensor, prompt_length: int) -> Tensor:
+    r"""The logits that predict the response tokens: ``logits[:, p - 1 : -1]``.
+
+    A causal LM's output at position ``i`` is the distribution of token ``i + 1``, so the response
+    ``sequences[:, p:]`` is predicted by positions ``p - 1 .. p + t - 2``. The result is a view
+    (no copy); :func:`lightning_kl.token_logprobs` reads it in place.
+
+    Shapes: ``logits [b, p + t, V]`` (the model's output on ``sequences``) -> ``[b, t, V]``.
+
+    Args:
+        logits: the logits of the whole sequences.
+        prompt_length: ``p``, the length of the (left-padded) prompt block.
+
+    Raises:
+        ValueError: if ``logits`` is not 3-D, or ``prompt_length`` leaves no prompt or no response.
+
+    Example:
+        >>> import torch
+        >>> logits = torch.arange(5.0).view(1, 5, 1)   # the output at position i holds the value i
+        >>> response_logits(logits, prompt_length=3).flatten().tolist()   # predicts tokens 3 and 4
+        [2.0, 3.0]
+    """
+    if logits.dim() != 3:
+        raise ValueError(f"`logits` must be [b, p + t, V], got shape {tuple(logits.shape)}.")
+    _check_prompt_length(prompt_length, logits.shape[1], "logits")
+    return logits[:, prompt_length - 1 : -1]
+
+
+def _eos_hits(responses: Tensor, eos_token_id: Union[int, Sequence[int]]) -> Tensor:
+    ids = [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
+    if not isinstance(ids, (list, tuple)) or not ids or any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
+        raise ValueError(f"`eos_token_id` must be an int or a non-empty list of ints, got {eos_token_id!r}.")
+    return torch.isin(responses, torch.tensor(ids, device=responses.device))
+
+
+def response_mask(responses: Tensor, eos_token_id: Union[int, Sequence[int]]) -> Tensor:
+    r"""True on each response's tokens up to and including its first EOS; False after it.
+
+    ``generate`` pads a finished row with ``pad_token_id``, often the EOS id itself: only the
+    *first* EOS counts. A row without EOS ran to the length limit and is valid throughout (it ends
+    truncated; its reward is the caller's business).
+
+    Shapes: ``responses [b, t]`` (``sequences[:, p:]``) -> bool ``[b, t]``.
+
+    Args:
+        responses: the generated tokens after the prompt block.
+        eos_token_id: one id or several (``model.generation_config.eos_token_id`` may be a list).
+
+    Raises:
+        ValueError: if ``responses`` is not 2-D or ``eos_token_id`` is not an int or a list of ints.
+
+    Example:
+        >>> import torch
+        >>> EOS, PAD = 2, 0
+        >>> responses = torch.tensor([[5, 2, 0, 0],     # EOS at 1, then padding
+        ...                           [5, 6, 7, 8],     # no EOS: truncated, all valid
+        ...                           [2, 2, 2, 2]])    # EOS first; pad_token_id == eos_token_id
+        >>> response_mask(responses, EOS).int().tolist()
+        [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
+    """
+    if responses.dim() != 2:
+        raise ValueError(f"`responses` must be [b, t], got shape {tuple(responses.shape)}.")
+    hit = _eos_hits(responses, eos_token_id)
+    # EOS seen strictly before position i: the cumulative count minus the hit at i itself
+    before = hit.cumsum(-1) - hit.long()
+    return before == 0
+
+
+def sequence_inputs(prompt_attention_mask: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    r"""The attention mask and position ids of ``prompt + response`` for one forward pass.
+
+    Left padding shifts every row's tokens right; ``generate`` numbers positions from each row's
+    first real token (``attention_mask.cumsum(-1) - 1``), and a forward pass over the whole
+    sequences must do the same, or models with absolute positions (GPT-2, OPT) score tokens at the
+    wrong positions. Response tokens after the first EOS are masked out.
+
+    Shapes: ``prompt_attention_mask [b, p]`` (the tokenizer's, 1 on real tokens), ``mask [b, t]``
+    (:func:`response_mask`) -> ``attention_mask [b, p + t]`` (long), ``position_ids [b, p + t]``
+    (long; 0 on left padding).
+
+    Raises:
+        ValueError: if the two masks are not 2-D with the same number of rows.
+
+    Example:
+        >>> import torch
+        >>> prompt_am = torch.tensor([[0, 1, 1], [1, 1, 1]])        # row 0 is left-padded
+        >>> mask = torch.tensor([[True, False], [True, True]])     # row 0 ended at its first token
+        >>> am, pos = sequence_inputs(prompt_am, mask)
+        >>> am.tolist(), pos.tolist()
+        ([[0, 1, 1, 1, 0], [1, 1, 1, 1, 1]], [[0, 0, 1, 2, 2], [0, 1, 2, 3, 4]])
+    """
+    if prompt_attention_mask.dim() != 2 or mask.dim() != 2 or prompt_attention_mask.shape[0] != mask.shape[0]:
+        raise ValueError(
+            f"`prompt_attention_mask` [b, p] and `mask` [b, t] must be 2-D with the same b, got shapes "
+            f"{tuple(prompt_attention_mask.shape)} and {tuple(mask.shape)}."
+        )
+    attention_mask = torch.cat([prompt_attention_mask.long(), mask.long()], dim=-1)
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    return attention_mask, position_ids
+
+
+def response_logprobs(
+    model: Any,
+    sequences: Tensor,
+    attention_mask: Tensor,
+    prompt_length: int,
+    temperature: float = 1.0,
+    return_logits: bool = False,
+) -> Union[Tensor, tuple[Tensor, Tensor]]:
+    r"""Log-probs of the response tokens under ``model``: one forward pass, float32, differentiable.
+
+    .. math::
+        \log \pi(y_t \mid x, y_{<t}) = \log \mathrm{softmax}(z_{p + t - 1} / T)[y_t]
+
+    The position ids come from ``attention_mask`` as :func:`sequence_inputs` makes them, so the
+    log-probs are those ``generate`` sampled from (left padding included). Only the last ``t + 1``
+    positions go through the LM head when the model takes ``logits_to_keep`` (recent
+    ``transformers``). Log-probs come from :func:`lightning_kl.token_logprobs`: float32 for
+    bf16/fp16 models, float64 for float64 ones. Positions after EOS hold the log-probs of padding
+    tokens: mask them with :func:`response_mask`. The model's mode is left as it is: in train mode,
+    dropout (``lora_dropout`` too) makes the log-probs random, so score rollouts in eval mode, as
+    ``generate`` samples them.
+
+    Shapes: ``sequences [b, p + t]``, ``attention_mask [b, p + t]`` -> ``[b, t]`` (and the response
+    logits ``[b, t, V]``, a view of the model's output, with ``return_logits=True``).
+
+    Args:
+        model: a causal LM (``transformers`` ``PreTrainedModel`` or ``peft`` ``PeftModel``) whose
+            forward takes ``input_ids``, ``attention_mask``, ``position_ids`` and returns ``.logits``.
+        sequences: prompt block then response block, as ``generate`` returns them.
+        attention_mask: from :func:`sequence_inputs` (1 on the prompt's real tokens and the valid response).
+        prompt_length: ``p``.
+        temperature: the sampling temperature (``generate(temperature=...)``): log-probs of
+            ``softmax(logits / T)``, the distribution the tokens were drawn from.
+        return_logits: also return the response logits (for the ``full`` estimator or the exact KL).
+
+    Raises:
+        ValueError: if ``sequences`` and ``attention_mask`` differ in shape, ``prompt_length`` is
+            out of range or ``temperature`` is not a finite number > 0 (before the forward pass).
+    """
+    if sequences.dim() != 2 or attention_mask.shape != sequences.shape:
+        raise ValueError(
+            f"`sequences` and `attention_mask` must both be [b, p + t], got shapes {tuple(sequences.shape)} "
+            f"and {tuple(attention_mask.shape)}."
+        )
+    _check_prompt_length(prompt_length, sequences.shape[1], "sequences")
+    temperature = check_temperature(temperature)  # before the forward pass, not after it
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    t = sequences.shape[1] - prompt_length
+    out = model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids,
+                logits_to_keep=t + 1, use_cache=False)
+    logits = out.logits
+    # logits_to_keep=t+1 keeps the last t+1 positions; a model that ignores it returns all of them
+    logits = response_logits(logits, logits.shape[1] - t)
+    # chunked and exact, with no float32 copy of the logits (bf16 models): lk.token_logprobs
+    logprobs = token_logprobs(logits, sequences[:, prompt_length:], temperature=temperature)
+    return (logprobs, logits) if return_logits else logprobs
+
+
+@contextmanager
+def adapters_disabled(model: Any) -> Iterator[Any]:
+    r"""A context in which ``model`` runs without its adapters: the base model, i.e. the reference.
+
+    Works for a ``peft`` ``PeftModel`` (its ``disable_adapter()`` context) and for a
+    ``transformers`` model with adapters loaded through its peft integration
+    (``disable_adapters()`` / ``enable_adapters()``). The adapters are back on when the context
+    exits, also on an exception.
+
+    Raises:
+        TypeError: if ``model`` has no adapters to switch off (a plain model is not its own reference:
+            keep a frozen copy and call :func:`response_logprobs` on it under ``torch.no_grad()``).
+    """
+    if callable(getattr(model, "disable_adapter", None)) and hasattr(model, "peft_config"):
+        with model.disable_adapter():
+            yield model
+        return
+    if getattr(model, "_hf_peft_config_loaded", False):
+        model.disable_adapters()
+        try:
+            yield model
+        finally:
+            model.enable_adapters()
+        return
+    raise TypeError(
+        f"{type(model).__name__} has no adapters to disable: pass a peft PeftModel (peft.get_peft_model) "
+        "or a transformers model with adapters loaded (model.add_adapter / load_adapter)."
+    )
+
+
+@torch.no_grad()
+def reference_logprobs(
+    model: Any,
+    sequences: Tensor,
+    attention_mask: Tensor,
+    prompt_length: int,
+    temperature: float = 1.0,
+    return_logits: bool = False,
+) -> Union[Tensor, tuple[Tensor, Tensor]]:
+    r""":func:`response_logprobs` of ``model`` with its adapters off, without gradient: the reference.
+
+    With LoRA adapters trained on a frozen base model, the reference is the base model, and this is
+    its log-probs at no extra parameter memory (TRL does the same). The activations of this forward
+    pass are not kept (``torch.no_grad``). Arguments, shapes and errors as :func:`response_logprobs`;
+    :func:`adapters_disabled` raises ``TypeError`` for a model without adapters.
+    """
+    with adapters_disabled(model):
+        return response_logprobs(model, sequences, attention_mask, prompt_length, temperature, return_logits)

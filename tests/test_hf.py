@@ -1,0 +1,512 @@
+"""lightning_kl.hf against hand-built expectations and tiny transformers/peft models.
+
+Every expected log-prob here is computed another way than the function under test: from
+``generate``'s own per-step logits (what the tokens were sampled from), or by running the model
+on each prefix alone, with no padding. A wrong shift, a wrong position id under left padding, an
+EOS mask that stops at the last EOS, or adapters left on fails one of them.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.testing import assert_close
+
+import lightning_kl as lk
+from lightning_kl import hf
+
+# peft's get_peft_model calls a transformers method that transformers 5 deprecates
+pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+
+transformers = pytest.importorskip("transformers")  # the `test` extra installs it: CI never skips
+peft = pytest.importorskip("peft")
+
+PAD, BOS, EOS = 0, 1, 2
+VOCAB = 12
+
+
+def _tiny(arch: str = "qwen2", seed: int = 0) -> torch.nn.Module:
+    """A 1-layer causal LM with random weights (eval mode, no dropout)."""
+    common = dict(vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD)
+    if arch == "qwen2":
+        config = transformers.Qwen2Config(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+                                          **common)
+        cls = transformers.Qwen2ForCausalLM
+    else:  # absolute learned positions: a wrong position id changes every log-prob
+        config = transformers.GPT2Config(n_embd=16, n_layer=1, n_head=2, n_positions=32, resid_pdrop=0.0,
+                                         embd_pdrop=0.0, attn_pdrop=0.0, **common)
+        cls = transformers.GPT2LMHeadModel
+    torch.manual_seed(seed)
+    model = cls(config).eval()
+    with torch.no_grad():  # bigger logits than the default init, so that differences show
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.mul_(8)
+    return model
+
+
+def _lora(model: torch.nn.Module, arch: str = "qwen2") -> torch.nn.Module:
+    targets = ["q_proj", "v_proj"] if arch == "qwen2" else ["c_attn"]
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0,
+                             fan_in_fan_out=arch == "gpt2")
+    policy = peft.get_peft_model(model, config)
+    torch.manual_seed(1)
+    with torch.no_grad():  # lora_B starts at 0 (adapters are a no-op): make them change the model
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 1.0)
+    return policy.eval()
+
+
+# prompts of lengths 2, 4 and 3, left-padded to 4
+PROMPTS = [[BOS, 5], [BOS, 3, 4, 6], [BOS, 7, 8]]
+
+
+def _left_padded() -> tuple[torch.Tensor, torch.Tensor]:
+    p = max(len(x) for x in PROMPTS)
+    ids = torch.tensor([[PAD] * (p - len(x)) + x for x in PROMPTS])
+    return ids, (ids != PAD).long()
+
+
+def _generate(model, seed: int = 0, max_new_tokens: int = 5):
+    ids, am = _left_padded()
+    torch.manual_seed(seed)
+    out = model.generate(input_ids=ids, attention_mask=am, do_sample=True, top_k=0, top_p=1.0, temperature=1.0,
+                         max_new_tokens=max_new_tokens, pad_token_id=PAD, eos_token_id=EOS,
+                         output_logits=True, return_dict_in_generate=True)
+    return ids, am, out
+
+
+def _prefix_logprobs(model, prompt: list[int], response: list[int]) -> list[float]:
+    """log pi(y_t | x, y_<t) by running ``model`` on each unpadded prefix alone, in float64."""
+    out = []
+    for t, token in enumerate(response):
+        prefix = torch.tensor([prompt + response[:t]])
+        with torch.no_grad():
+            logits = model(input_ids=prefix).logits[0, -1].double()
+        out.append(float(torch.log_softmax(logits, -1)[token]))
+    return out
+
+
+# --- response_logits ---------------------------------------------------------------------------
+
+
+def test_response_logits_are_the_positions_that_predict_the_response():
+    # position i of the output holds the value 10 * row + i in every vocabulary slot
+    b, n, v = 2, 6, 3
+    logits = (torch.arange(n) + 10 * torch.arange(b)[:, None]).float()[..., None].expand(b, n, v)
+    out = hf.response_logits(logits, prompt_length=4)
+    # response tokens 4 and 5 are predicted by positions 3 and 4; the last position predicts nothing
+    assert out[..., 0].tolist() == [[3.0, 4.0], [13.0, 14.0]]
+    assert out.data_ptr() == logits.data_ptr() + 3 * logits.stride(1) * logits.element_size()  # a view
+
+
+@pytest.mark.parametrize("p", [0, 6, -1])
+def test_response_logits_rejects_a_prompt_length_that_leaves_nothing(p):
+    with pytest.raises(ValueError, match=rf"`prompt_length` must be in \[1, 5\].*got {p}"):
+        hf.response_logits(torch.zeros(1, 6, 3), p)
+
+
+def test_response_logits_rejects_2d_logits():
+    with pytest.raises(ValueError, match=r"\[b, p \+ t, V\], got shape \(6, 3\)"):
+        hf.response_logits(torch.zeros(6, 3), 2)
+
+
+# --- response_mask ----------------------------------------------------------------------------
+
+
+def test_response_mask_up_to_and_including_the_first_eos():
+    responses = torch.tensor([
+        [5, 6, EOS, PAD, PAD],   # EOS at 2, padded after
+        [5, 6, 7, 8, 9],         # no EOS: truncated, valid throughout
+        [EOS, 5, EOS, 6, EOS],   # EOS first: only that token; a later EOS does not reopen the mask
+        [5, EOS, EOS, EOS, EOS],  # pad_token_id == eos_token_id, as many HF models ship
+        [5, 6, 7, 8, EOS],       # EOS at the last slot
+    ])
+    expected = [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]]
+    mask = hf.response_mask(responses, EOS)
+    assert mask.dtype == torch.bool and mask.int().tolist() == expected
+
+
+def test_response_mask_takes_several_eos_ids():
+    # generation_config.eos_token_id is a list for many chat models (e.g. <|im_end|>, <|endoftext|>)
+    responses = torch.tensor([[5, 9, 2, 0], [9, 5, 5, 0], [5, 5, 5, 5]])
+    assert hf.response_mask(responses, [2, 9]).int().tolist() == [[1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 1]]
+
+
+def test_response_mask_of_an_empty_batch():
+    assert hf.response_mask(torch.zeros(0, 4, dtype=torch.long), EOS).shape == (0, 4)
+
+
+@pytest.mark.parametrize("eos", [[], "2", 2.0, [2, None], True])
+def test_response_mask_rejects_a_bad_eos_id(eos):
+    with pytest.raises(ValueError, match="`eos_token_id` must be an int or a non-empty list of ints"):
+        hf.response_mask(torch.zeros(1, 3, dtype=torch.long), eos)
+
+
+def test_response_mask_rejects_full_sequences_in_3d():
+    with pytest.raises(ValueError, match=r"\[b, t\], got shape \(1, 2, 3\)"):
+        hf.response_mask(torch.zeros(1, 2, 3, dtype=torch.long), EOS)
+
+
+# --- sequence_inputs --------------------------------------------------------------------------
+
+
+def test_sequence_inputs_number_positions_from_each_rows_first_real_token():
+    prompt_am = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1], [0, 1, 1, 1]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0]], dtype=torch.bool)
+    am, pos = hf.sequence_inputs(prompt_am, mask)
+    assert am.tolist() == [[0, 0, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 1, 0, 0]]
+    # a real token's position = the number of real tokens before it (what generate feeds the model)
+    assert pos.tolist() == [[0, 0, 0, 1, 2, 3, 3], [0, 1, 2, 3, 4, 5, 6], [0, 0, 1, 2, 3, 3, 3]]
+
+
+def test_sequence_inputs_reject_masks_of_different_batch_sizes():
+    with pytest.raises(ValueError, match=r"same b, got shapes \(2, 4\) and \(3, 2\)"):
+        hf.sequence_inputs(torch.ones(2, 4), torch.ones(3, 2, dtype=torch.bool))
+
+
+# --- response_logprobs: what generate sampled from --------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gpt2"])
+def test_response_logprobs_equal_generates_own_distributions(arch):
+    model = _tiny(arch)
+    ids, prompt_am, out = _generate(model)
+    p = ids.shape[1]
+    responses = out.sequences[:, p:]
+    mask = hf.response_mask(responses, EOS)
+    assert mask.sum(-1).unique().numel() > 1, "the rows should end at different lengths (seed choice)"
+    am, _ = hf.sequence_inputs(prompt_am, mask)
+    logprobs = hf.response_logprobs(model, out.sequences, am, p)
+    # generate's raw logits at each step, before any processor: the sampling distribution at T = 1
+    step_logits = torch.stack(out.logits, dim=1).double()
+    expected = torch.log_softmax(step_logits, -1).gather(-1, responses[..., None]).squeeze(-1)
+    assert logprobs.dtype == torch.float32
+    assert_close(logprobs[mask].double(), expected[mask], rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gpt2"])
+def test_response_logprobs_equal_each_prefix_run_alone(arch):
+    model = _tiny(arch, seed=3)
+    ids, prompt_am, out = _generate(model, seed=3)
+    p = ids.shape[1]
+    mask = hf.response_mask(out.sequences[:, p:], EOS)
+    am, _ = hf.sequence_inputs(prompt_am, mask)
+    logprobs = hf.response_logprobs(model, out.sequences, am, p)
+    for row, prompt in enumerate(PROMPTS):
+        response = out.sequences[row, p:][mask[row]].tolist()
+        expected = torch.tensor(_prefix_logprobs(model, prompt, response), dtype=torch.float64)
+        assert_close(logprobs[row, : len(response)].double(), expected, rtol=0, atol=2e-5)
+
+
+def test_gpt2_needs_the_position_ids_that_left_padding_implies():
+    # the test above can fail: scoring left-padded rows at positions 0.. (no position ids) is wrong
+    model = _tiny("gpt2", seed=3)
+    ids, prompt_am, out = _generate(model, seed=3)
+    p = ids.shape[1]
+    mask = hf.response_mask(out.sequences[:, p:], EOS)
+    am, _ = hf.sequence_inputs(prompt_am, mask)
+    naive = torch.log_softmax(model(input_ids=out.sequences, attention_mask=am).logits.float(), -1)
+    naive = naive[:, p - 1 : -1].gather(-1, out.sequences[:, p:, None]).squeeze(-1)
+    right = hf.response_logprobs(model, out.sequences, am, p)
+    padded_rows = prompt_am.sum(-1) < p
+    assert (naive - right)[padded_rows][mask[padded_rows]].abs().max() > 1e-2
+    assert_close(naive[~padded_rows], right[~padded_rows], rtol=0, atol=1e-5)
+
+
+def test_response_logprobs_at_a_temperature():
+    model = _tiny()
+    ids, prompt_am, out = _generate(model)
+    p = ids.shape[1]
+    mask = hf.response_mask(out.sequences[:, p:], EOS)
+    am, _ = hf.sequence_inputs(prompt_am, mask)
+    lp, logits = hf.response_logprobs(model, out.sequences, am, p, temperature=0.5, return_logits=True)
+    assert logits.shape == (3, out.sequences.shape[1] - p, VOCAB)
+    expected = torch.log_softmax(logits.double() / 0.5, -1).gather(-1, out.sequences[:, p:, None]).squeeze(-1)
+    assert_close(lp.double(), expected, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="`temperature` must be a finite number > 0, got 0"):
+        hf.response_logprobs(model, out.sequences, am, p, temperature=0)
+
+
+def test_response_logprobs_of_a_bf16_model_are_float32_and_differentiable():
+    model = _tiny().to(torch.bfloat16)
+    ids, prompt_am, out = _generate(model)
+    p = ids.shape[1]
+    mask = hf.response_mask(out.sequences[:, p:], EOS)
+    am, _ = hf.sequence_inputs(prompt_am, mask)
+    lp = hf.response_logprobs(model, out.sequences, am, p)
+    assert lp.dtype == torch.float32 and lp.requires_grad
+    lk.aggregate(lp, mask).backward()
+    assert model.lm_head.weight.grad is not None and model.lm_head.weight.grad.dtype == torch.bfloat16
+
+
+def test_response_logprobs_reject_mismatched_shapes():
+    with pytest.raises(ValueError, match=r"both be \[b, p \+ t\], got shapes \(2, 5\) and \(2, 4\)"):
+        hf.response_logprobs(_tiny(), torch.zeros(2, 5, dtype=torch.long), torch.ones(2, 4), 2)
+
+
+# --- the reference for free: adapters off -----------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gpt2"])
+def test_reference_logprobs_equal_a_copy_of_the_base_model(arch):
+    base_copy = copy.deepcopy(_tiny(arch))
+    policy = _lora(_tiny(arch), arch)
+    ids, prompt_am, out = _generate(policy)
+    p = ids.shape[1]
+    mask = hf.response_mask(out.sequences[:, p:], EOS)
+    am, _ = hf.sequence_inputs(prompt_am, mask)
+
+    on = hf.response_logprobs(policy, out.sequences, am, p)
+    ref = hf.reference_logprobs(policy, out.sequences, am, p)
+    with torch.no_grad():
+        expected = hf.response_logprobs(base_copy, out.sequences, am, p)
+    assert_close(ref, expected, rtol=0, atol=1e-6)
+    assert (on - ref)[mask].abs().max() > 0.1  # the adapters matter, so equality above means "off"
+    assert not ref.requires_grad and on.requires_grad
+    # and they are back on afterwards
+    assert_close(hf.response_logprobs(policy, out.sequences, am, p), on, rtol=0, atol=0)
+
+
+def test_adapters_come_back_on_after_an_exception():
+    policy = _lora(_tiny())
+    x = torch.tensor([[BOS, 3, 4]])
+    on = policy(input_ids=x).logits
+    with pytest.raises(RuntimeError, match="boom"):
+        with hf.adapters_disabled(policy):
+            raise RuntimeError("boom")
+    assert_close(policy(input_ids=x).logits, on, rtol=0, atol=0)
+
+
+def test_adapters_of_the_transformers_peft_integration_are_switched_through_its_methods():
+    # model.add_adapter(...) puts LoRA layers into a plain transformers model, switched by
+    # disable_adapters() / enable_adapters() (a real one needs peft >= 0.22 with transformers 5)
+    class Integrated:
+        _hf_peft_config_loaded = True
+
+        def __init__(self):
+            self.calls = []
+
+        def disable_adapters(self):
+            self.calls.append("disable")
+
+        def enable_adapters(self):
+            self.calls.append("enable")
+
+    model = Integrated()
+    with hf.adapters_disabled(model) as inside:
+        assert inside is model and model.calls == ["disable"]
+    assert model.calls == ["disable", "enable"]
+    with pytest.raises(RuntimeError, match="boom"):
+        with hf.adapters_disabled(model):
+            raise RuntimeError("boom")
+    assert model.calls == ["disable", "enable", "disable", "enable"]
+
+
+def test_a_model_without_adapters_is_refused():
+    with pytest.raises(TypeError, match="Qwen2ForCausalLM has no adapters to disable"):
+        hf.reference_logprobs(_tiny(), torch.zeros(1, 4, dtype=torch.long), torch.ones(1, 4), 2)
+
+
+def test_the_package_does_not_import_transformers_or_peft_for_hf():
+    # `import lightning_kl` must work without the `hf` extra: lightning_kl/hf.py imports neither
+    tree = ast.parse(Path(hf.__file__).read_text())
+    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert not imported & {"transformers", "peft", "tokenizers"}
+
+
+# --- the example: examples/hf_grpo.py through Lightning -----------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "examples" / "configs" / "hf_grpo_lora.yaml"
+_worker_spec = importlib.util.spec_from_file_location("_hf_ddp_worker", Path(__file__).with_name("_hf_ddp_worker.py"))
+ddp_worker = importlib.util.module_from_spec(_worker_spec)
+_worker_spec.loader.exec_module(ddp_worker)
+ex = ddp_worker.load_example()
+TINY_ARGS = [f"--model.{k}={v}" for k, v in ddp_worker.TINY_MODEL.items()] + [
+    f"--data.{k}={v}" for k, v in ddp_worker.TINY_DATA.items()
+]
+QUIET_CLI = ["--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false", "--trainer.logger=false"]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> str:
+    # one tiny reference for the module: the cache is keyed by config, so later tests load it
+    return str(tmp_path_factory.mktemp("reference"))
+
+
+@pytest.fixture
+def one_thread(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["hf_grpo.py"])  # LightningCLI reads args=, not pytest's argv
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: a second thread only spin-waits on shared cores
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.filterwarnings("ignore:Your `IterableDataset` has `__len__` defined")
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_example_config_runs_on_policy_and_trains_only_the_adapters(tmp_path, cache_dir, one_thread, arch):
+    seen = {}
+
+    class OnPolicy(pl.Callback):
+        # recompute the batch's log-probs with the policy as training_step will see it: equal only
+        # if the rollout was sampled after the previous optimizer step (no prefetch)
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            seq, am, mask = batch["sequences"], batch["attention_mask"], batch["mask"]
+            with torch.no_grad():
+                now = hf.response_logprobs(module.policy, seq, am, seq.shape[1] - mask.shape[1])
+            seen.setdefault("gap", []).append(float((now - batch["logprobs"])[mask].abs().max()))
+            seen.setdefault("batches", []).append({k: v for k, v in batch.items()})
+
+    cli = ex.main(["--config", str(CONFIG), *TINY_ARGS, *QUIET_CLI, f"--model.cache_dir={cache_dir}",
+                   f"--trainer.default_root_dir={tmp_path}", "--trainer.fast_dev_run=3", "--data.rollouts=3",
+                   f"--model.arch={arch}"], run=False)
+    cli.trainer.callbacks.append(OnPolicy())
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    module = cli.model
+    expected_class = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}[arch]
+    assert type(module.policy.get_base_model()).__name__ == expected_class
+    assert cli.trainer.global_step == 3 and len(seen["gap"]) == 3
+    assert max(seen["gap"]) < 1e-5, seen["gap"]
+
+    first = seen["batches"][0]
+    seq, mask = first["sequences"], first["mask"]
+    p = seq.shape[1] - mask.shape[1]
+    assert_close(mask, hf.response_mask(seq[:, p:], ex.EOS_ID), rtol=0, atol=0)
+    # adapters start as a no-op (lora_B = 0): the first rollout's policy is the reference, exactly
+    assert_close(first["logprobs"], first["ref_logprobs"], rtol=0, atol=0)
+    assert first["true_kl"].abs().max() < 1e-6
+    assert len({int(g) for g in first["group"]}) == ddp_worker.TINY_DATA["prompts_per_rollout"]
+    # the reference is still the pretrained model: only the adapters trained
+    state = torch.load(module.reference_path, map_location="cpu", weights_only=True)
+    for name, param in module.policy.named_parameters():
+        if "lora_" in name:
+            assert param.requires_grad
+        else:
+            key = name.replace("base_model.model.", "").replace("base_layer.", "")
+            assert not param.requires_grad and torch.equal(param.detach(), state[key]), name
+    assert any(p.abs().sum() > 0 for n, p in module.policy.named_parameters() if "lora_B" in n)
+    assert 0.0 <= module.ref_acc <= 1.0
+    assert module.memory["reference_adapters_off"] == 0
+    assert module.memory["reference_as_a_copy"] == module.memory["base"] > module.memory["adapters"] > 0
+
+
+@pytest.mark.parametrize("name", ["k4", "full"])
+def test_example_rejects_a_bad_estimator_before_any_step(tmp_path, one_thread, name):
+    # the message lists the valid names; the model is built before the reference is pretrained
+    with pytest.raises(ValueError, match=r"k3\+"):
+        ex.main(["--config", str(CONFIG), *QUIET_CLI, f"--model.kl_estimator={name}",
+                 f"--model.cache_dir={tmp_path}"], run=False)
+    assert not list(Path(tmp_path).iterdir())  # no reference was pretrained
+
+
+def test_score_is_exact_match_before_the_first_eos():
+    tok = ex.build_tokenizer()
+    ids = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    E = ex.EOS_ID
+    responses = torch.tensor([ids("12") + [E], ids("1") + [E, E], ids("123"), ids("21") + [E], [E, E, E]])
+    mask = hf.response_mask(responses, E)
+    problems = [(5, 7), (0, 1), (60, 63), (5, 7), (0, 0)]
+    # right; right and shorter; no EOS (cut off); wrong digits; empty answer
+    assert ex.score(tok, responses, mask, problems).tolist() == [1.0, 1.0, 0.0, 0.0, 0.0]
+
+
+def test_group_advantages_by_hand():
+    returns = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0])
+    group = torch.tensor([0, 0, 0, 0, 1, 1])
+    # group 0: mean 1/4, std sqrt(3)/4 -> (3/4) / (sqrt(3)/4) = sqrt(3), (-1/4) / (sqrt(3)/4) = -1/sqrt(3)
+    s3 = 3 ** 0.5
+    assert_close(ex.group_advantages(returns, group, eps=0.0)[:4], torch.tensor([s3, -1 / s3, -1 / s3, -1 / s3]))
+    assert ex.group_advantages(returns, group)[4:].tolist() == [0.0, 0.0]  # all equal: nothing to learn
+
+
+def test_two_ddp_processes_train_the_same_adapters_on_different_rollouts(tmp_path, cache_dir):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    # the checkout's lightning_kl, not an installed one, in both ranks
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    for var in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"):
+        env.pop(var, None)  # let Lightning choose a free port and launch rank 1 itself
+    try:
+        proc = subprocess.run([sys.executable, str(Path(ddp_worker.__file__)), str(tmp_path), cache_dir], env=env,
+                              capture_output=True, text=True, timeout=180)
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"the 2-process DDP run did not finish in {err.timeout} s:\n{err.stderr}")
+    records = []
+    for rank in range(ddp_worker.WORLD):
+        path = tmp_path / f"rank{rank}.json"
+        assert proc.returncode == 0 and path.exists(), (
+            f"DDP worker failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        )
+        records.append(json.loads(path.read_text()))
+    r0, r1 = records
+    assert [r0["rank"], r1["rank"]] == [0, 1] and r0["world_size"] == r1["world_size"] == 2
+    assert r0["first_sequences"] != r1["first_sequences"]  # each rank sampled its own prompts
+    assert r0["adapters"] == r1["adapters"]  # bitwise: DDP averaged the adapters' gradients
+    assert r0["adapters_b_nonzero"] and r1["adapters_b_nonzero"]  # and they trained
+    assert r0["base_equal_reference"] and r1["base_equal_reference"]  # the reference did not move
+    assert r0["ref_acc"] == r1["ref_acc"]  # reduced across ranks
+    assert r0["coef"] == r1["coef"] != 0.2  # KLRewardCallback agreed on beta and moved it
+
+
+def test_the_readme_rollout_and_training_step_run_and_train_the_adapters():
+    # the code a user copies from README.md "With Hugging Face models", on a tiny Qwen2 model
+    import re
+
+    section = (ROOT / "README.md").read_text().split("## With Hugging Face models")[1].split("\n## ")[0]
+    namespace: dict = {}
+    exec(re.findall(r"```python\n(.*?)```", section, re.S)[0], namespace)
+    grpo = namespace["GRPO"](ex.build_model("qwen2", 16, 1, 2, 1, 32, 16), kl_coef=0.5)
+    grpo.log = lambda *args, **kwargs: None  # no Trainer attached
+    tok = ex.build_tokenizer()
+    torch.manual_seed(0)
+    batch = namespace["rollout"](grpo.policy, tok, ["<bos>1+2=", "<bos>11+3="], 3, 4)
+    assert batch["attention_mask"].shape == batch["sequences"].shape
+    assert_close(batch["logprobs"], batch["ref_logprobs"], rtol=0, atol=0)  # lora_B = 0 at the start
+    batch["scores"] = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0])
+    grpo.training_step(batch, 0).backward()
+    grads = {n: p.grad for n, p in grpo.policy.named_parameters() if p.grad is not None}
+    assert grads and all("lora_B" in n or "lora_A" in n for n in grads)
+    assert any(g.abs().sum() > 0 for n, g in grads.items() if "lora_B" in n)
+
+
+def _write_run(root: Path, name: str, acc: list[float], kl: list[float], step_s: float) -> None:
+    run = root / name / "version_0"
+    run.mkdir(parents=True)
+    lines = ["epoch,step,train/acc,train/kl_seq,train/ref_acc,train/elapsed_s"]
+    lines += [f"0,{i},{a},{k},0.4,{(i + 1) * step_s}" for i, (a, k) in enumerate(zip(acc, kl))]
+    (run / "metrics.csv").write_text("\n".join(lines) + "\n")
+
+
+def test_check_script_passes_a_run_that_did_what_it_claims_and_fails_one_that_did_not(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("check_hf_grpo", ROOT / "examples" / "check_hf_grpo.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    # 8 rollouts of 30 s: only the first 6 are within 180 s; the last quarter of 6 is the 6th (0.7)
+    good, late = tmp_path / "good", tmp_path / "late"
+    _write_run(good, "hf_grpo_lora", [0.4, 0.5, 0.6, 0.6, 0.6, 0.7, 0.0, 0.0], [0.0, 0.2] + [0.4] * 6, 30.0)
+    _write_run(good, "hf_grpo_lora_kl0", [0.4] * 8, [0.0] + [0.9] * 7, 30.0)
+    assert check.main([str(good)]) == 0
+    out = capsys.readouterr().out
+    assert "PASS  accuracy hf_grpo_lora: 0.700 >= reference 0.400 + 0.2 within 180 s" in out
+    assert "PASS  KL term" in out
+    # the gain comes only after 180 s, the KL exceeds the bound, and the KL term did not help
+    _write_run(late, "hf_grpo_lora", [0.4] * 6 + [0.9, 0.9], [0.0] + [2.5] * 7, 30.0)
+    _write_run(late, "hf_grpo_lora_kl0", [0.4] * 8, [0.0] + [0.9] * 7, 30.0)
+    assert check.main([str(late)]) == 1
+    out = capsys.readouterr().out
+    assert out.count("FAIL") == 3 and "3 claim(s) failed" in out
+    assert check.main([str(tmp_path / "nothing")]) == 1
