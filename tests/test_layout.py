@@ -9,7 +9,15 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "lightning_kl"
 
 # what each layer may import from the package (a layer also imports its own folder's modules)
-LAYER_OF = {"ground": 0, "kernels": 1, "estimators": 1, "functional": 2, "sequence": 2, "logprobs": 2}  # shells (the rest): 3
+LAYER_OF = {
+    "ground": 0,
+    "kernels": 1,
+    "estimators": 1,
+    "functional": 2,
+    "sequence": 2,
+    "logprobs": 2,
+    "accumulation": 2,
+}  # shells and integrations (the rest): 3
 
 
 def _modules() -> dict[str, ast.Module]:
