@@ -1,4 +1,4 @@
-r"""What the RL examples and their check scripts share: the reference cache, GRPO's advantages, the run's CSV.
+r"""What the RL examples and their check scripts share: the reference, rollouts, the run's CSV, plots, claims.
 
 Used by ``toy_rlhf.py``, ``hf_grpo.py``, ``check_run.py`` and ``check_hf_grpo.py``, which import it
 from their own folder. Imports only the standard library at the top (the check scripts need no torch);
@@ -65,6 +65,45 @@ def group_advantages(returns: Any, group: Any, eps: float = 1e-6) -> Any:
     return (returns - mean[group]) / (std[group] + eps)
 
 
+def pretrain(
+    build: Callable[[], Any], batch_loss: Callable[[Any, Any], Any], *, steps: int, lr: float, seed: int, tag: str
+) -> dict[str, Any]:
+    """Pretrain ``build()``'s fresh model, ``steps`` AdamW steps (one-cycle learning rate up to ``lr``).
+
+    ``batch_loss(model, generator)`` draws a batch with ``generator`` and returns its loss. The model's
+    init and the batches come from ``seed`` alone (the global RNG is left as it was), so the result is
+    a function of the configuration: what the cache relies on. Returns the state dict on the CPU.
+    """
+    import torch
+    from lightning.pytorch.utilities import rank_zero_info
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = build()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=max(steps, 1))
+    for step in range(steps):
+        loss = batch_loss(model, generator)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        if (step + 1) % max(steps // 4, 1) == 0:
+            rank_zero_info(f"[{tag}] pretraining the reference: step {step + 1}/{steps}, loss {loss.item():.3f}")
+    return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+
+def rollout_loader(sample: Callable[[], Any], n_rollouts: int) -> Any:
+    """A DataLoader of ``n_rollouts`` batches, each ``sample()``'d from the current policy when fetched."""
+    import lightning_kl as lk
+    from torch.utils.data import DataLoader
+
+    # batch_size=None: the dataset yields whole batches; num_workers=0: rollouts must see the
+    # policy's current weights, which live in this process
+    return DataLoader(lk.OnPolicyRollouts(sample, n_rollouts), batch_size=None, num_workers=0)
+
+
 # ---------------------------------------------------------------------------------------------
 # the CSV a run wrote
 
@@ -105,6 +144,37 @@ def latest_version(run_dir: Path) -> Optional[Path]:
         if suffix.isdigit() and (d / "metrics.csv").is_file():
             versions.append((int(suffix), d))
     return max(versions)[1] if versions else None
+
+
+def finished_run(trainer: Any, tag: str, seconds: float) -> Optional[tuple[Any, dict[str, list[tuple[int, float]]]]]:
+    """The Trainer's CSVLogger and the metrics it wrote, or None (with a note) when it has none."""
+    from lightning.pytorch.utilities import rank_zero_info
+
+    csv_logger = find_csv_logger(trainer.loggers)
+    if csv_logger is None:
+        rank_zero_info(f"[{tag}] done in {seconds:.1f} s (no CSVLogger: no plot, no summary)")
+        return None
+    return csv_logger, read_metrics(Path(csv_logger.log_dir) / "metrics.csv")
+
+
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the Agg backend (files only, no display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig: Any, title: str, out: str | Path) -> None:
+    """Title, lay out, write ``fig`` as a PNG and close it."""
+    import matplotlib.pyplot as plt
+
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
 
 
 def find_csv_logger(loggers: list[Any]) -> Any:

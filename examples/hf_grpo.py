@@ -42,7 +42,6 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.cli import LightningCLI
-from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from torch.utils.data import DataLoader
 
@@ -51,7 +50,7 @@ from lightning_kl import hf
 
 if str(Path(__file__).resolve().parent) not in sys.path:  # loaded by path (the tests): find the siblings
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _runs  # noqa: E402  (examples/_runs.py: reference cache, metrics CSV, group advantages)
+import _runs  # noqa: E402  (examples/_runs.py: pretraining and its cache, rollout loader, metrics CSV, plots)
 
 # ---------------------------------------------------------------------------------------------
 # tokenizer and task
@@ -258,10 +257,7 @@ class ArithmeticDataModule(pl.LightningDataModule):
         module = self.trainer.lightning_module if self.trainer is not None else None
         if not isinstance(module, HFGRPO):
             raise RuntimeError("ArithmeticDataModule samples from the policy of the HFGRPO module of its Trainer.")
-        # batch_size=None: the dataset yields whole batches; num_workers=0: rollouts must see the
-        # policy's current weights, which live in this process
-        rollouts = lk.OnPolicyRollouts(functools.partial(self.rollout, module), self.hparams.rollouts)
-        return DataLoader(rollouts, batch_size=None, num_workers=0)
+        return _runs.rollout_loader(functools.partial(self.rollout, module), self.hparams.rollouts)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -351,26 +347,15 @@ class HFGRPO(pl.LightningModule):
     def pretrain(self, dm: ArithmeticDataModule) -> dict[str, Tensor]:
         """Train a fresh model on the corpus; a function of the configuration alone (own RNG)."""
         h = self.hparams
-        generator = torch.Generator().manual_seed(h.pretrain_seed)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(h.pretrain_seed)
-            model = self._build(dm.max_length).to(self.device)
-        opt = torch.optim.AdamW(model.parameters(), lr=h.pretrain_lr, weight_decay=0.0)
-        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=h.pretrain_lr, total_steps=max(h.pretrain_steps, 1))
-        for step in range(h.pretrain_steps):
+
+        def batch_loss(model: Any, generator: torch.Generator) -> Tensor:
             lines = corpus_lines(h.pretrain_batch_size, dm.hparams.max_operand, dm.hparams.p_correct, generator)
             enc = dm.tokenizer(lines, return_tensors="pt", padding=True).to(self.device)
             labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)  # HF's ignore index
-            loss = model(**enc, labels=labels).loss
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
-            if (step + 1) % max(h.pretrain_steps // 4, 1) == 0:
-                rank_zero_info(
-                    f"[hf_grpo] pretraining the reference: step {step + 1}/{h.pretrain_steps}, loss {loss.item():.3f}"
-                )
-        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+            return model(**enc, labels=labels).loss
+
+        return _runs.pretrain(lambda: self._build(dm.max_length).to(self.device), batch_loss,
+                              steps=h.pretrain_steps, lr=h.pretrain_lr, seed=h.pretrain_seed, tag="hf_grpo")
 
     def setup(self, stage: str) -> None:
         if stage != "fit" or self.policy is not None:
@@ -446,11 +431,7 @@ class HFGRPO(pl.LightningModule):
 
 def plot_run(series: dict[str, list[tuple[int, float]]], out: str | Path, title: str) -> None:
     """Accuracy and exact KL against the wall-clock time of RL, in two panels, as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _runs.pyplot()
     secs = [v for _, v in series["train/elapsed_s"]]
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     ax = axes[0]
@@ -465,10 +446,7 @@ def plot_run(series: dict[str, list[tuple[int, float]]], out: str | Path, title:
     ax.legend()
     for ax in axes:
         ax.set_xlabel("seconds of RL")
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    _runs.save_figure(fig, title, out)
 
 
 def _mib(n: int) -> str:
@@ -486,12 +464,11 @@ class HFGRPOCLI(LightningCLI):
         trainer, module = self.trainer, self.model
         if trainer.fast_dev_run or not isinstance(module, HFGRPO) or not trainer.is_global_zero:
             return
-        csv_logger = _runs.find_csv_logger(trainer.loggers)
-        if csv_logger is None:
-            rank_zero_info(f"[hf_grpo] done in {seconds:.1f} s (no CSVLogger: no plot, no summary)")
+        run = _runs.finished_run(trainer, "hf_grpo", seconds)
+        if run is None:
             return
+        csv_logger, series = run
         log_dir = Path(csv_logger.log_dir)
-        series = _runs.read_metrics(log_dir / "metrics.csv")
         png = log_dir / "hf_grpo.png"
         h = module.hparams
         plot_run(series, png, f"{csv_logger.name}: {h.kl_estimator}, coef {h.kl_coef}, level {h.kl_level}")

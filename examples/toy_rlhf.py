@@ -49,7 +49,6 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.cli import LightningCLI
-from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
@@ -57,7 +56,7 @@ import lightning_kl as lk
 
 if str(Path(__file__).resolve().parent) not in sys.path:  # loaded by path (the tests): find the siblings
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _runs  # noqa: E402  (examples/_runs.py: reference cache, metrics CSV)
+import _runs  # noqa: E402  (examples/_runs.py: pretraining and its cache, rollout loader, metrics CSV, plots)
 
 # ---------------------------------------------------------------------------------------------
 # vocabulary and the synthetic corpus
@@ -343,10 +342,7 @@ class RolloutDataModule(pl.LightningDataModule):
         module = self.trainer.lightning_module if self.trainer is not None else None
         if not isinstance(module, ToyRLHF):
             raise RuntimeError("RolloutDataModule samples from the policy of a ToyRLHF module attached to the Trainer.")
-        # batch_size=None: the dataset yields whole batches; num_workers=0: rollouts must see the
-        # policy's current weights, which live in this process
-        rollouts = lk.OnPolicyRollouts(functools.partial(self.rollout, module), self.hparams.rollouts)
-        return DataLoader(rollouts, batch_size=None, num_workers=0)
+        return _runs.rollout_loader(functools.partial(self.rollout, module), self.hparams.rollouts)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -430,26 +426,14 @@ class ToyRLHF(pl.LightningModule):
     def pretrain(self, dm: RolloutDataModule) -> dict[str, Tensor]:
         """Train a fresh TinyGPT on the corpus; a function of the configuration alone (own RNG)."""
         h = self.hparams
-        generator = torch.Generator().manual_seed(h.pretrain_seed)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(h.pretrain_seed)
-            model = TinyGPT(h.d_model, h.n_layer, h.n_head, h.block_size).to(self.device)
-        opt = torch.optim.AdamW(model.parameters(), lr=h.pretrain_lr, weight_decay=0.0)
-        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=h.pretrain_lr, total_steps=max(h.pretrain_steps, 1))
-        loss = torch.tensor(float("nan"))
-        for step in range(h.pretrain_steps):
+
+        def batch_loss(model: nn.Module, generator: torch.Generator) -> Tensor:
             lines = dm.sample_corpus(h.pretrain_batch_size, generator).to(self.device)
             logits = model(lines[:, :-1])
-            loss = F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), lines[:, 1:].reshape(-1), ignore_index=PAD)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
-            if (step + 1) % max(h.pretrain_steps // 4, 1) == 0:
-                rank_zero_info(
-                    f"[toy_rlhf] pretraining the reference: step {step + 1}/{h.pretrain_steps}, loss {loss.item():.3f}"
-                )
-        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+            return F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), lines[:, 1:].reshape(-1), ignore_index=PAD)
+
+        return _runs.pretrain(lambda: TinyGPT(h.d_model, h.n_layer, h.n_head, h.block_size).to(self.device),
+                              batch_loss, steps=h.pretrain_steps, lr=h.pretrain_lr, seed=h.pretrain_seed, tag="toy_rlhf")
 
     def load_or_pretrain_reference(self, dm: RolloutDataModule) -> None:
         max_len = max(dm.hparams.max_digits + 2, dm.prompt_len + dm.hparams.max_new_tokens)
@@ -561,10 +545,7 @@ def plot_run(
     series: dict[str, list[tuple[int, float]]], out: str | Path, title: str, target_kl: Optional[float] = None
 ) -> None:
     """Reward, KL and coefficient against the rollout step, in three panels, as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _runs.pyplot()
 
     def xy(key: str) -> tuple[list[int], list[float]]:
         pts = series.get(key, [])
@@ -596,10 +577,7 @@ def plot_run(
     ax.legend()
     for ax in axes:
         ax.set_xlabel("rollout step")
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    _runs.save_figure(fig, title, out)
 
 
 def find_target_kl(trainer: pl.Trainer) -> Optional[float]:
@@ -635,12 +613,11 @@ class ToyRLHFCLI(LightningCLI):
         trainer, module = self.trainer, self.model
         if trainer.fast_dev_run or not isinstance(module, ToyRLHF):
             return
-        csv_logger = _runs.find_csv_logger(trainer.loggers)
-        if csv_logger is None:
-            rank_zero_info(f"[toy_rlhf] done in {seconds:.1f} s (no CSVLogger: no plot, no summary)")
+        run = _runs.finished_run(trainer, "toy_rlhf", seconds)
+        if run is None:
             return
+        csv_logger, series = run
         log_dir = Path(csv_logger.log_dir)
-        series = _runs.read_metrics(log_dir / "metrics.csv")
         target_kl = find_target_kl(trainer)
         png = log_dir / "toy_rlhf.png"
         plot_run(series, png, f"{csv_logger.name}: estimator {self._estimator_label()}", target_kl)
