@@ -30,7 +30,6 @@ import gc
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -39,6 +38,8 @@ import torch
 from lightning_kl.kernels import fused as _fused
 from lightning_kl.estimators import BASE_ESTIMATORS, estimator_value, parse_estimator
 from lightning_kl.functional import kl_penalty_compute, aggregate
+
+from _measure import reset_peak, run_child, status_kib  # this folder: the child-process measurement
 
 NAMES = [n for b in BASE_ESTIMATORS for n in (b, f"{b}+")]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -98,19 +99,6 @@ def time_all(n: int, dtype: torch.dtype, names: list[str], repeats: int) -> dict
 # peak resident memory, in a child process per variant
 
 
-def _kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current resident size
-
-
 def child(variant: str, dtype_name: str, n: int, names: list[str]) -> None:
     inputs = make_inputs(n, DTYPES[dtype_name])
     peaks = {}
@@ -118,10 +106,10 @@ def child(variant: str, dtype_name: str, n: int, names: list[str]) -> None:
         for in_loss in (False, True):
             step(name, variant, *inputs, in_loss=in_loss)  # warm-up: one-time allocations are not counted
             gc.collect()
-            _reset_peak()
-            before = _kib("VmHWM")
+            reset_peak()
+            before = status_kib("VmHWM")
             step(name, variant, *inputs, in_loss=in_loss)
-            peaks[name + (" loss" if in_loss else "")] = (_kib("VmHWM") - before) / 1024
+            peaks[name + (" loss" if in_loss else "")] = (status_kib("VmHWM") - before) / 1024
     print(json.dumps(peaks))
 
 
@@ -129,12 +117,7 @@ def memory_all(n: int, dtype_name: str, names: list[str]) -> dict[str, dict[str,
     out: dict[str, dict[str, float]] = {key: {} for name in names for key in (name, name + " loss")}
     for variant in VARIANTS:
         cmd = [sys.executable, os.path.abspath(__file__), "--child", variant, dtype_name, str(n), ",".join(names)]
-        # a fixed mmap threshold: every large block is mapped on malloc and unmapped on free, so
-        # resident memory follows the live tensors (glibc's adaptive threshold would otherwise
-        # serve some of them from a heap that keeps freed memory resident, depending on history)
-        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
-        res = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
-        for name, mib in json.loads(res.stdout.strip().splitlines()[-1]).items():
+        for name, mib in run_child(cmd, fixed_mmap_threshold=True).items():
             out[name][variant] = mib
     return out
 

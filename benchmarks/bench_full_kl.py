@@ -29,20 +29,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import time
+
+from _measure import peak_and_time, run_child  # this folder: the child-process measurement
 
 TARGET_MEMORY_RATIO = 0.3
 TARGET_TIME_RATIO = 1.1
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def _child(args: argparse.Namespace) -> None:
@@ -74,24 +66,12 @@ def _child(args: argparse.Namespace) -> None:
     def step() -> None:
         fn().sum().backward()
 
-    step()  # warm-up: threads, allocator, first-touch of code paths
-    z.grad = None
-    z_ref.grad = None
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    base_kib = _status_kib("VmRSS")
-    times = []
-    peak_kib = None
-    for _ in range(args.reps):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-        if peak_kib is None:
-            peak_kib = _status_kib("VmHWM")
+    def clear() -> None:
         z.grad = None
         z_ref.grad = None
-    assert peak_kib is not None
-    print(json.dumps({"extra_mib": (peak_kib - base_kib) / 1024, "time_s": statistics.median(times)}))
+
+    extra_mib, time_s = peak_and_time(step, clear, args.reps)
+    print(json.dumps({"extra_mib": extra_mib, "time_s": time_s}))
 
 
 def _run_child(args: argparse.Namespace, variant: str, chunk: int | None) -> dict[str, float]:
@@ -117,8 +97,7 @@ def _run_child(args: argparse.Namespace, variant: str, chunk: int | None) -> dic
         cmd += ["--threads", str(args.threads)]
     if args.ref_grad:
         cmd.append("--ref-grad")
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    return run_child(cmd)
 
 
 def main() -> None:

@@ -36,24 +36,15 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import time
 
 # this checkout's package, not an installed one
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _measure import peak_and_time, run_child  # noqa: E402  (this folder: the child-process measurement)
 
 # (memory ratio, time ratio) targets per case, lean / naive (issue 12); None: no target
 TARGETS = {"logits": (0.1, 1.0), "hidden": (0.1, 1.5), "full-hidden": (0.1, None)}
 CASES = tuple(TARGETS)
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def _child(args: argparse.Namespace) -> None:
@@ -106,25 +97,12 @@ def _child(args: argparse.Namespace) -> None:
     def step() -> None:
         run().sum().backward()
 
-    step()  # warm-up: threads, allocator, first-touch of code paths
-    for x in leaves:
-        x.grad = None
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    base_kib = _status_kib("VmRSS")
-    times = []
-    peak_kib = None
-    for _ in range(args.reps):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-        if peak_kib is None:
-            peak_kib = _status_kib("VmHWM")
+    def clear() -> None:
         for x in leaves:
             x.grad = None
-    assert peak_kib is not None
-    extra = (peak_kib - base_kib) / 1024 - grads_mib
-    print(json.dumps({"extra_mib": extra, "time_s": statistics.median(times), "grads_mib": grads_mib}))
+
+    peak_mib, time_s = peak_and_time(step, clear, args.reps)
+    print(json.dumps({"extra_mib": peak_mib - grads_mib, "time_s": time_s, "grads_mib": grads_mib}))
 
 
 def _run_child(args: argparse.Namespace, case: str, variant: str) -> dict[str, float]:
@@ -133,9 +111,7 @@ def _run_child(args: argparse.Namespace, case: str, variant: str) -> dict[str, f
     cmd += ["--dim", str(args.dim), "--dtype", _dtype(args, case), "--reps", str(args.reps)]
     if args.threads is not None:
         cmd += ["--threads", str(args.threads)]
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    return run_child(cmd, fixed_mmap_threshold=True)
 
 
 def _dtype(args: argparse.Namespace, case: str) -> str:

@@ -25,37 +25,24 @@ Needs only the standard library; ``--plot FILE.png`` (matplotlib) draws the runs
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
 from pathlib import Path
 from typing import Optional
+
+if str(Path(__file__).resolve().parent) not in sys.path:  # loaded by path (the tests): find the siblings
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _runs  # noqa: E402  (examples/_runs.py: the metrics CSV, claims)
 
 MAIN, CONTRAST = "hf_grpo_lora", "hf_grpo_lora_kl0"
 
 
 def read_rows(csv_path: Path) -> list[dict[str, float]]:
     """The rows of a CSVLogger ``metrics.csv`` that hold a training step's metrics."""
-    rows = []
-    with open(csv_path, newline="") as f:
-        for row in csv.DictReader(f):
-            if row.get("train/acc") not in ("", None):
-                rows.append({k: float(v) for k, v in row.items() if v not in ("", None)})
-    return rows
+    return [row for row in _runs.read_rows(csv_path) if "train/acc" in row]
 
 
-def latest_version(run_dir: Path) -> Optional[Path]:
-    """The ``version_N`` folder with the largest N that holds a ``metrics.csv``."""
-    versions = []
-    for d in run_dir.glob("version_*"):
-        suffix = d.name.removeprefix("version_")
-        if suffix.isdigit() and (d / "metrics.csv").is_file():
-            versions.append((int(suffix), d))
-    return max(versions)[1] if versions else None
-
-
-def last_quarter_mean(values: list[float]) -> float:
-    k = max(len(values) // 4, 1)
-    return sum(values[-k:]) / k
+latest_version = _runs.latest_version
+last_quarter_mean = _runs.last_quarter_mean
 
 
 def summarize(log_dir: Path, seconds: float) -> dict:
@@ -110,7 +97,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--plot", type=Path, default=None, help="write a PNG of the runs here (needs matplotlib)")
     args = parser.parse_args(argv)
 
-    runs, failures = {}, []
+    runs = {}
     for name in (MAIN, CONTRAST):
         log_dir = latest_version(args.runs_dir / name)
         if log_dir is not None:
@@ -123,10 +110,7 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"{r['kl']:>8.3f} {r['kl_max']:>7.3f}  {r['dir']}")
     print()
 
-    def claim(ok: bool, text: str) -> None:
-        print(f"{'PASS' if ok else 'FAIL'}  {text}")
-        if not ok:
-            failures.append(text)
+    claim = _runs.Claims()
 
     main_run = runs.get(MAIN)
     if main_run is None:
@@ -148,8 +132,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.plot is not None and runs:
         plot_runs(runs, args.plot)
         print(f"plot: {args.plot}")
-    print(f"\n{'all claims hold' if not failures else f'{len(failures)} claim(s) failed'}")
-    return 1 if failures else 0
+    return claim.verdict()
 
 
 if __name__ == "__main__":

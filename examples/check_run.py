@@ -26,40 +26,26 @@ missing. Needs only the standard library and PyYAML (no torch).
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
 from pathlib import Path
 from typing import Optional
 
 import yaml
 
+if str(Path(__file__).resolve().parent) not in sys.path:  # loaded by path (the tests): find the siblings
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _runs  # noqa: E402  (examples/_runs.py: the metrics CSV, claims)
+
 RUNS = ("grpo_k3plus", "ppo_adaptive_k1", "ppo_fixed_k1")
 
 
 def read_metrics(csv_path: Path) -> dict[str, list[float]]:
     """``{column: [value per logged step, ...]}`` of a CSVLogger ``metrics.csv`` (empty cells skipped)."""
-    series: dict[str, list[float]] = {}
-    with open(csv_path, newline="") as f:
-        for row in csv.DictReader(f):
-            for key, value in row.items():
-                if key not in ("step", "epoch") and value not in ("", None):
-                    series.setdefault(key, []).append(float(value))
-    return series
+    return {key: _runs.values(points) for key, points in _runs.read_metrics(csv_path).items()}
 
 
-def last_quarter_mean(values: list[float]) -> float:
-    k = max(len(values) // 4, 1)
-    return sum(values[-k:]) / k
-
-
-def latest_version(run_dir: Path) -> Optional[Path]:
-    """The ``version_N`` folder with the largest N that holds a ``metrics.csv``."""
-    versions = []
-    for d in run_dir.glob("version_*"):
-        suffix = d.name.removeprefix("version_")
-        if suffix.isdigit() and (d / "metrics.csv").is_file():
-            versions.append((int(suffix), d))
-    return max(versions)[1] if versions else None
+last_quarter_mean = _runs.last_quarter_mean
+latest_version = _runs.latest_version
 
 
 def reward_controller(config_path: Path) -> dict:
@@ -102,12 +88,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--kl-factor", type=float, default=2.0)
     args = parser.parse_args(argv)
 
-    runs, failures = {}, []
+    runs, claim = {}, _runs.Claims()
     for name in RUNS:
         log_dir = latest_version(args.runs_dir / name)
         if log_dir is None:
-            failures.append(f"missing run: no {args.runs_dir / name}/version_*/metrics.csv "
-                            f"(python examples/toy_rlhf.py fit --config examples/configs/{name}.yaml)")
+            claim.failures.append(f"missing run: no {args.runs_dir / name}/version_*/metrics.csv "
+                                  f"(python examples/toy_rlhf.py fit --config examples/configs/{name}.yaml)")
             continue
         runs[name] = summarize(log_dir)
 
@@ -117,11 +103,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         beta = f"{r['coef_lq']:.4f}" if "coef_lq" in r else "-"
         print(f"{name:<16} {r['steps']:>5} {r['ref_reward']:>10.3f} {r['reward']:>7.3f} {r['kl_exact']:>9.4f} {kl_est:>8} {beta:>8}  {r['dir']}")
     print()
-
-    def claim(ok: bool, text: str) -> None:
-        print(f"{'PASS' if ok else 'FAIL'}  {text}")
-        if not ok:
-            failures.append(text)
 
     for name, r in runs.items():
         if name == "ppo_fixed_k1":  # its point is a small KL; the reward only has to rise
@@ -149,11 +130,10 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"fixed   ppo_fixed_k1: KL {fixed['kl_value']:.4f} < ppo_adaptive_k1's {adaptive['kl_value']:.4f} "
               f"(exact: {fixed['kl_exact']:.4f} vs {adaptive['kl_exact']:.4f})")
 
-    for text in failures:
+    for text in claim.failures:
         if text.startswith("missing"):
             print(f"FAIL  {text}")
-    print(f"\n{'all claims hold' if not failures else f'{len(failures)} claim(s) failed'}")
-    return 1 if failures else 0
+    return claim.verdict()
 
 
 if __name__ == "__main__":

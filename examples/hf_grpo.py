@@ -18,7 +18,7 @@ Everything is made here, on a CPU, with no download:
    the same model with the adapters disabled (:func:`lightning_kl.hf.reference_logprobs`): no second
    copy of the weights.
 5. **RL.** Rollouts are sampled with ``model.generate`` (groups of ``group_size`` answers per prompt)
-   *inside the data pipeline* (:class:`RolloutDataset`, with a length, so no prefetch: every rollout
+   *inside the data pipeline* (:class:`lightning_kl.OnPolicyRollouts`, with a length, so no prefetch: every rollout
    comes from the policy that the previous step left), so a :class:`lightning_kl.KLRewardCallback`
    can shape the rewards. ``training_step`` is GRPO: group-normalized advantages, token-level ratio
    (clipped), plus the KL term from :class:`lightning_kl.KLPenaltyLoss` (estimator, coefficient and
@@ -31,25 +31,26 @@ length, ``t`` the response length (at most ``max_new_tokens``), ``V`` the vocabu
 
 from __future__ import annotations
 
-import csv
-import hashlib
-import json
+import functools
 import os
+import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.cli import LightningCLI
-from lightning.pytorch.loggers import CSVLogger
-from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader
 
 import lightning_kl as lk
 from lightning_kl import hf
+
+if str(Path(__file__).resolve().parent) not in sys.path:  # loaded by path (the tests): find the siblings
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _runs  # noqa: E402  (examples/_runs.py: pretraining and its cache, rollout loader, metrics CSV, plots)
 
 # ---------------------------------------------------------------------------------------------
 # tokenizer and task
@@ -108,15 +109,7 @@ def score(tokenizer: Any, responses: Tensor, mask: Tensor, problems: list[tuple[
     return torch.tensor(out, device=responses.device)
 
 
-def group_advantages(returns: Tensor, group: Tensor, eps: float = 1e-6) -> Tensor:
-    """GRPO: each sequence's return minus its group's mean, over the group's std: ``[b]`` -> ``[b]``.
-
-    A group whose returns are all equal gets 0 (nothing to learn from it).
-    """
-    n = torch.bincount(group).clamp(min=1).to(returns.dtype)
-    mean = torch.bincount(group, returns) / n
-    std = (torch.bincount(group, (returns - mean[group]) ** 2) / n).sqrt()
-    return (returns - mean[group]) / (std[group] + eps)
+group_advantages = _runs.group_advantages
 
 
 def build_model(arch: str, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
@@ -143,30 +136,6 @@ def parameter_bytes(model: torch.nn.Module, trainable: Optional[bool] = None) ->
 
 # ---------------------------------------------------------------------------------------------
 # the data pipeline: rollouts from the current policy
-
-
-class RolloutDataset(IterableDataset):
-    """Yields ``n_rollouts`` rollout batches sampled from ``module``'s current policy.
-
-    Each item is a dict: ``sequences [b, p + t]`` (prompt block, response block), ``attention_mask
-    [b, p + t]``, ``mask [b, t]`` (bool, the response up to and including its first EOS),
-    ``logprobs [b, t]`` (the sampling policy's), ``ref_logprobs [b, t]`` (adapters off),
-    ``scores [b]`` (1.0 if right), ``group [b]`` (prompt index), ``true_kl [b, t]`` (exact per-token KL).
-    """
-
-    def __init__(self, datamodule: "ArithmeticDataModule", module: "HFGRPO", n_rollouts: int) -> None:
-        self.dm = datamodule
-        self.module = module
-        self.n_rollouts = n_rollouts
-
-    def __len__(self) -> int:
-        # a length makes Lightning fetch each batch when it is needed instead of one ahead, so
-        # every rollout is sampled by the policy that the previous training_step left behind
-        return self.n_rollouts
-
-    def __iter__(self) -> Iterator[dict[str, Tensor]]:
-        for _ in range(self.n_rollouts):
-            yield self.dm.rollout(self.module)
 
 
 class ArithmeticDataModule(pl.LightningDataModule):
@@ -240,7 +209,13 @@ class ArithmeticDataModule(pl.LightningDataModule):
 
     @torch.no_grad()
     def rollout(self, module: "HFGRPO", n_prompts: Optional[int] = None) -> dict[str, Tensor]:
-        """One rollout batch from ``module.policy`` (see :class:`RolloutDataset`)."""
+        """One rollout batch from ``module.policy``'s current weights (``b = n_prompts * group_size``).
+
+        A dict: ``sequences [b, p + t]`` (prompt block, response block), ``attention_mask [b, p + t]``,
+        ``mask [b, t]`` (bool, the response up to and including its first EOS), ``logprobs [b, t]``
+        (the sampling policy's), ``ref_logprobs [b, t]`` (adapters off), ``scores [b]`` (1.0 if right),
+        ``group [b]`` (prompt index), ``true_kl [b, t]`` (exact per-token KL).
+        """
         h = self.hparams
         n_prompts = h.prompts_per_rollout if n_prompts is None else n_prompts
         problems = sample_problems(n_prompts, h.max_operand, self._generator(module.global_rank))
@@ -282,9 +257,7 @@ class ArithmeticDataModule(pl.LightningDataModule):
         module = self.trainer.lightning_module if self.trainer is not None else None
         if not isinstance(module, HFGRPO):
             raise RuntimeError("ArithmeticDataModule samples from the policy of the HFGRPO module of its Trainer.")
-        # batch_size=None: the dataset yields whole batches; num_workers=0: rollouts must see the
-        # policy's current weights, which live in this process
-        return DataLoader(RolloutDataset(self, module, self.hparams.rollouts), batch_size=None, num_workers=0)
+        return _runs.rollout_loader(functools.partial(self.rollout, module), self.hparams.rollouts)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -360,40 +333,29 @@ class HFGRPO(pl.LightningModule):
         return build_model(h.arch, h.hidden_size, h.num_layers, h.num_heads, h.num_kv_heads,
                            h.intermediate_size, max_positions)
 
-    def reference_key(self, dm: ArithmeticDataModule) -> str:
+    def reference_config(self, dm: ArithmeticDataModule) -> dict[str, Any]:
+        """What the pretrained reference is a function of (its cache key)."""
         h = self.hparams
-        config = {
+        return {
             "model": [h.arch, h.hidden_size, h.num_layers, h.num_heads, h.num_kv_heads, h.intermediate_size],
             "max_positions": dm.max_length,
             "pretrain": [h.pretrain_steps, h.pretrain_batch_size, h.pretrain_lr, h.pretrain_seed],
             "corpus": dm.corpus_config(),
             "format": 1,
         }
-        return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:12]
 
     def pretrain(self, dm: ArithmeticDataModule) -> dict[str, Tensor]:
         """Train a fresh model on the corpus; a function of the configuration alone (own RNG)."""
         h = self.hparams
-        generator = torch.Generator().manual_seed(h.pretrain_seed)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(h.pretrain_seed)
-            model = self._build(dm.max_length).to(self.device)
-        opt = torch.optim.AdamW(model.parameters(), lr=h.pretrain_lr, weight_decay=0.0)
-        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=h.pretrain_lr, total_steps=max(h.pretrain_steps, 1))
-        for step in range(h.pretrain_steps):
+
+        def batch_loss(model: Any, generator: torch.Generator) -> Tensor:
             lines = corpus_lines(h.pretrain_batch_size, dm.hparams.max_operand, dm.hparams.p_correct, generator)
             enc = dm.tokenizer(lines, return_tensors="pt", padding=True).to(self.device)
             labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)  # HF's ignore index
-            loss = model(**enc, labels=labels).loss
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
-            if (step + 1) % max(h.pretrain_steps // 4, 1) == 0:
-                rank_zero_info(
-                    f"[hf_grpo] pretraining the reference: step {step + 1}/{h.pretrain_steps}, loss {loss.item():.3f}"
-                )
-        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+            return model(**enc, labels=labels).loss
+
+        return _runs.pretrain(lambda: self._build(dm.max_length).to(self.device), batch_loss,
+                              steps=h.pretrain_steps, lr=h.pretrain_lr, seed=h.pretrain_seed, tag="hf_grpo")
 
     def setup(self, stage: str) -> None:
         if stage != "fit" or self.policy is not None:
@@ -404,21 +366,9 @@ class HFGRPO(pl.LightningModule):
         if not isinstance(dm, ArithmeticDataModule):
             raise RuntimeError("HFGRPO is trained with an ArithmeticDataModule (it holds the task and the reward).")
         h = self.hparams
-        path = Path(h.cache_dir) / f"reference-{self.reference_key(dm)}.pt"
-        start = time.perf_counter()
-        if path.exists():
-            state = torch.load(path, map_location="cpu", weights_only=True)
-            self.reference_cached = True
-            rank_zero_info(f"[hf_grpo] reference loaded from the cache: {path}")
-        else:
-            state = self.pretrain(dm)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            torch.save(state, tmp)
-            os.replace(tmp, path)  # atomic: a concurrent run (another DDP rank) never reads half a file
-            rank_zero_info(f"[hf_grpo] reference pretrained and cached: {path}")
-        self.pretrain_seconds = time.perf_counter() - start
-        self.reference_path = path
+        state, self.reference_path, self.reference_cached, self.pretrain_seconds = _runs.load_or_pretrain(
+            h.cache_dir, self.reference_config(dm), lambda: self.pretrain(dm), "hf_grpo"
+        )
         base = self._build(dm.max_length)
         base.load_state_dict(state)
         base_bytes = parameter_bytes(base)
@@ -479,26 +429,9 @@ class HFGRPO(pl.LightningModule):
 # the end of a run: plot and summary (from the CSV the run wrote)
 
 
-def read_metrics(csv_path: str | Path) -> dict[str, list[tuple[int, float]]]:
-    """``{column: [(step, value), ...]}`` of a CSVLogger ``metrics.csv`` (empty cells skipped)."""
-    series: dict[str, list[tuple[int, float]]] = {}
-    with open(csv_path, newline="") as f:
-        for row in csv.DictReader(f):
-            step = int(float(row["step"]))
-            for key, value in row.items():
-                if key in ("step", "epoch") or value in ("", None):
-                    continue
-                series.setdefault(key, []).append((step, float(value)))
-    return series
-
-
 def plot_run(series: dict[str, list[tuple[int, float]]], out: str | Path, title: str) -> None:
     """Accuracy and exact KL against the wall-clock time of RL, in two panels, as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _runs.pyplot()
     secs = [v for _, v in series["train/elapsed_s"]]
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     ax = axes[0]
@@ -513,10 +446,7 @@ def plot_run(series: dict[str, list[tuple[int, float]]], out: str | Path, title:
     ax.legend()
     for ax in axes:
         ax.set_xlabel("seconds of RL")
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    _runs.save_figure(fig, title, out)
 
 
 def _mib(n: int) -> str:
@@ -534,26 +464,24 @@ class HFGRPOCLI(LightningCLI):
         trainer, module = self.trainer, self.model
         if trainer.fast_dev_run or not isinstance(module, HFGRPO) or not trainer.is_global_zero:
             return
-        csv_logger = next((lg for lg in trainer.loggers if isinstance(lg, CSVLogger)), None)
-        if csv_logger is None:
-            rank_zero_info(f"[hf_grpo] done in {seconds:.1f} s (no CSVLogger: no plot, no summary)")
+        run = _runs.finished_run(trainer, "hf_grpo", seconds)
+        if run is None:
             return
+        csv_logger, series = run
         log_dir = Path(csv_logger.log_dir)
-        series = read_metrics(log_dir / "metrics.csv")
         png = log_dir / "hf_grpo.png"
         h = module.hparams
         plot_run(series, png, f"{csv_logger.name}: {h.kl_estimator}, coef {h.kl_coef}, level {h.kl_level}")
         acc = [v for _, v in series["train/acc"]]
         kl = [v for _, v in series["train/kl_seq"]]
-        k = max(len(acc) // 4, 1)
         m = module.memory
         how = "loaded from cache" if module.reference_cached else "pretrained"
         print("\n".join([
             f"[hf_grpo] {len(acc)} rollouts in {series['train/elapsed_s'][-1][1]:.1f} s of RL, "
             f"{seconds:.1f} s in all (reference {how} in {module.pretrain_seconds:.1f} s)",
-            f"  accuracy: reference {module.ref_acc:.3f} -> final {sum(acc[-k:]) / k:.3f} (last quarter of rollouts)",
+            f"  accuracy: reference {module.ref_acc:.3f} -> final {_runs.last_quarter_mean(acc):.3f} (last quarter of rollouts)",
             f"  KL      : exact, per response: mean {sum(kl) / len(kl):.3f}, max {max(kl):.3f}, "
-            f"last quarter {sum(kl[-k:]) / k:.3f} nats",
+            f"last quarter {_runs.last_quarter_mean(kl):.3f} nats",
             f"  memory  : base weights {_mib(m['base'])}, LoRA adapters {_mib(m['adapters'])}; reference as a "
             f"copy +{_mib(m['reference_as_a_copy'])}, adapters off +0",
             f"  files   : metrics {log_dir / 'metrics.csv'}",
@@ -565,7 +493,7 @@ class HFGRPOCLI(LightningCLI):
 
 
 def main(args: Optional[list[str]] = None, run: bool = True) -> HFGRPOCLI:
-    # the rollout dataset has a length on purpose (no prefetch, see RolloutDataset) and is read in
+    # the rollout dataset has a length on purpose (no prefetch, see lk.OnPolicyRollouts) and is read in
     # this process (num_workers=0), so Lightning's warning about lengths and workers does not apply
     warnings.filterwarnings("ignore", message="Your `IterableDataset` has `__len__` defined")
     # peft calls a transformers method that transformers 5 deprecates; nothing for a user to do

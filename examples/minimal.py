@@ -11,13 +11,12 @@ pipeline, so ``KLRewardCallback`` shapes ``rewards`` before ``training_step`` se
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.cli import LightningCLI
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader
 
 import lightning_kl as lk
 
@@ -35,30 +34,6 @@ class PositionPolicy(nn.Module):
 
     def sample(self, batch_size: int) -> Tensor:
         return torch.distributions.Categorical(logits=self.logits).sample((batch_size,))
-
-
-class Rollouts(IterableDataset):
-    """Yields rollout batches sampled from the module's current policy."""
-
-    def __init__(self, module: "KLBandit", batch_size: int, num_batches: int) -> None:
-        self.module, self.batch_size, self.num_batches = module, batch_size, num_batches
-
-    def __len__(self) -> int:
-        # with a length Lightning does not fetch a batch ahead, so each rollout is sampled from the
-        # policy that the previous training_step left behind (truly on-policy)
-        return self.num_batches
-
-    def __iter__(self) -> Iterator[dict[str, Tensor]]:
-        for _ in range(self.num_batches):
-            with torch.no_grad():
-                tokens = self.module.policy.sample(self.batch_size)
-                # responses of random length: padded positions hold junk that must never matter
-                lengths = torch.randint(1, tokens.shape[1] + 1, (self.batch_size,))
-                mask = torch.arange(tokens.shape[1]) < lengths[:, None]
-                logprobs = self.module.policy.logprob(tokens).masked_fill(~mask, float("nan"))
-                ref_logprobs = self.module.ref.logprob(tokens).masked_fill(~mask, -1e10)
-                scores = ((tokens == 0) & mask).float().sum(-1)  # one score per sequence
-            yield {"tokens": tokens, "mask": mask, "logprobs": logprobs, "ref_logprobs": ref_logprobs, "scores": scores}
 
 
 class KLBandit(pl.LightningModule):
@@ -80,8 +55,23 @@ class KLBandit(pl.LightningModule):
         self.ref = copy.deepcopy(self.policy).requires_grad_(False)
         self.kl = lk.KLPenaltyLoss(estimator, coef=kl_coef)  # a bad name fails here, before training
 
+    @torch.no_grad()
+    def rollout(self) -> dict[str, Tensor]:
+        """One rollout batch sampled from the current policy."""
+        batch_size = self.hparams.batch_size
+        tokens = self.policy.sample(batch_size)
+        # responses of random length: padded positions hold junk that must never matter
+        lengths = torch.randint(1, tokens.shape[1] + 1, (batch_size,))
+        mask = torch.arange(tokens.shape[1]) < lengths[:, None]
+        logprobs = self.policy.logprob(tokens).masked_fill(~mask, float("nan"))
+        ref_logprobs = self.ref.logprob(tokens).masked_fill(~mask, -1e10)
+        scores = ((tokens == 0) & mask).float().sum(-1)  # one score per sequence
+        return {"tokens": tokens, "mask": mask, "logprobs": logprobs, "ref_logprobs": ref_logprobs, "scores": scores}
+
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(Rollouts(self, self.hparams.batch_size, self.hparams.num_batches), batch_size=None)
+        # OnPolicyRollouts has a length, so Lightning does not fetch a batch ahead: each rollout is
+        # sampled from the policy that the previous training_step left behind (truly on-policy)
+        return DataLoader(lk.OnPolicyRollouts(self.rollout, self.hparams.num_batches), batch_size=None)
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         mask = batch["mask"]

@@ -14,8 +14,8 @@ Two stages, one command:
    reference scores about 0.06; the all-7 answer scores 1 but is far from the reference, so the
    reward and the KL pull in opposite directions and the KL control decides where the policy lands.
 
-Rollouts are sampled from the *current* policy inside the data pipeline (:class:`RolloutDataset`,
-served by :class:`RolloutDataModule`). Each batch is a dict with ``logprobs``, ``ref_logprobs``,
+Rollouts are sampled from the *current* policy inside the data pipeline
+(:class:`lightning_kl.OnPolicyRollouts`, served by :class:`RolloutDataModule`). Each batch is a dict with ``logprobs``, ``ref_logprobs``,
 ``scores``, ``mask`` (and more), so a :class:`lightning_kl.KLRewardCallback` in the Trainer shapes
 ``rewards`` before ``training_step`` sees the batch. The dataset has a length, which makes
 Lightning fetch each batch just in time (no prefetch): every rollout comes from the policy as it
@@ -37,24 +37,26 @@ The configs in ``examples/configs/``:
 
 from __future__ import annotations
 
-import hashlib
-import json
+import functools
 import os
+import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.cli import LightningCLI
-from lightning.pytorch.loggers import CSVLogger
-from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader
 
 import lightning_kl as lk
+
+if str(Path(__file__).resolve().parent) not in sys.path:  # loaded by path (the tests): find the siblings
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _runs  # noqa: E402  (examples/_runs.py: pretraining and its cache, rollout loader, metrics CSV, plots)
 
 # ---------------------------------------------------------------------------------------------
 # vocabulary and the synthetic corpus
@@ -211,11 +213,7 @@ def group_advantages(rewards: Tensor, mask: Tensor, group: Tensor, eps: float = 
     A group whose returns are all equal gets advantage 0.
     """
     ret = torch.where(mask, rewards, 0.0).sum(-1)
-    n = torch.bincount(group).clamp(min=1).to(ret.dtype)
-    mean = torch.bincount(group, ret) / n
-    std = (torch.bincount(group, (ret - mean[group]) ** 2) / n).sqrt()
-    adv = (ret - mean[group]) / (std[group] + eps)
-    return adv[:, None].expand_as(rewards)
+    return _runs.group_advantages(ret, group, eps)[:, None].expand_as(rewards)
 
 
 def whitened_returns_to_go(rewards: Tensor, mask: Tensor, eps: float = 1e-6) -> Tensor:
@@ -244,30 +242,6 @@ def clipped_policy_loss(
 
 # ---------------------------------------------------------------------------------------------
 # the data pipeline: rollouts from the current policy
-
-
-class RolloutDataset(IterableDataset):
-    """Yields ``n_rollouts`` rollout batches sampled from ``module``'s current policy.
-
-    Each item is a dict (``b = prompts_per_rollout * group_size``):
-    ``tokens [b, p + t]``, ``mask [b, t]`` (bool), ``logprobs [b, t]`` (the sampling policy's),
-    ``ref_logprobs [b, t]``, ``ref_logits [b, t, V]``, ``scores [b]``, ``group [b]`` (prompt index),
-    ``true_kl [b, t]`` (exact per-token KL, a diagnostic).
-    """
-
-    def __init__(self, datamodule: "RolloutDataModule", module: "ToyRLHF", n_rollouts: int) -> None:
-        self.dm = datamodule
-        self.module = module
-        self.n_rollouts = n_rollouts
-
-    def __len__(self) -> int:
-        # a length makes Lightning fetch each batch when it is needed instead of one ahead, so
-        # every rollout is sampled by the policy that the previous training_step left behind
-        return self.n_rollouts
-
-    def __iter__(self) -> Iterator[dict[str, Tensor]]:
-        for _ in range(self.n_rollouts):
-            yield self.dm.rollout(self.module)
 
 
 class RolloutDataModule(pl.LightningDataModule):
@@ -332,7 +306,12 @@ class RolloutDataModule(pl.LightningDataModule):
 
     @torch.no_grad()
     def rollout(self, module: "ToyRLHF", n_prompts: Optional[int] = None) -> dict[str, Tensor]:
-        """One rollout batch from ``module.policy`` (see :class:`RolloutDataset`)."""
+        """One rollout batch from ``module.policy``'s current weights (``b = n_prompts * group_size``).
+
+        A dict: ``tokens [b, p + t]``, ``mask [b, t]`` (bool), ``logprobs [b, t]`` (the sampling
+        policy's), ``ref_logprobs [b, t]``, ``ref_logits [b, t, V]``, ``scores [b]``, ``group [b]``
+        (prompt index), ``true_kl [b, t]`` (exact per-token KL, a diagnostic).
+        """
         h = self.hparams
         n_prompts = h.prompts_per_rollout if n_prompts is None else n_prompts
         prompts = self.prompts(n_prompts, module.device).repeat_interleave(h.group_size, dim=0)
@@ -363,9 +342,7 @@ class RolloutDataModule(pl.LightningDataModule):
         module = self.trainer.lightning_module if self.trainer is not None else None
         if not isinstance(module, ToyRLHF):
             raise RuntimeError("RolloutDataModule samples from the policy of a ToyRLHF module attached to the Trainer.")
-        # batch_size=None: the dataset yields whole batches; num_workers=0: rollouts must see the
-        # policy's current weights, which live in this process
-        return DataLoader(RolloutDataset(self, module, self.hparams.rollouts), batch_size=None, num_workers=0)
+        return _runs.rollout_loader(functools.partial(self.rollout, module), self.hparams.rollouts)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -436,59 +413,35 @@ class ToyRLHF(pl.LightningModule):
 
     # -- stage 1: the reference ----------------------------------------------------------------
 
-    def reference_key(self, corpus: dict[str, Any]) -> str:
+    def reference_config(self, corpus: dict[str, Any]) -> dict[str, Any]:
+        """What the pretrained reference is a function of (its cache key)."""
         h = self.hparams
-        config = {
+        return {
             "model": [h.d_model, h.n_layer, h.n_head, h.block_size],
             "pretrain": [h.pretrain_steps, h.pretrain_batch_size, h.pretrain_lr, h.pretrain_seed],
             "corpus": corpus,
             "format": 1,
         }
-        return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:12]
 
     def pretrain(self, dm: RolloutDataModule) -> dict[str, Tensor]:
         """Train a fresh TinyGPT on the corpus; a function of the configuration alone (own RNG)."""
         h = self.hparams
-        generator = torch.Generator().manual_seed(h.pretrain_seed)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(h.pretrain_seed)
-            model = TinyGPT(h.d_model, h.n_layer, h.n_head, h.block_size).to(self.device)
-        opt = torch.optim.AdamW(model.parameters(), lr=h.pretrain_lr, weight_decay=0.0)
-        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=h.pretrain_lr, total_steps=max(h.pretrain_steps, 1))
-        loss = torch.tensor(float("nan"))
-        for step in range(h.pretrain_steps):
+
+        def batch_loss(model: nn.Module, generator: torch.Generator) -> Tensor:
             lines = dm.sample_corpus(h.pretrain_batch_size, generator).to(self.device)
             logits = model(lines[:, :-1])
-            loss = F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), lines[:, 1:].reshape(-1), ignore_index=PAD)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
-            if (step + 1) % max(h.pretrain_steps // 4, 1) == 0:
-                rank_zero_info(
-                    f"[toy_rlhf] pretraining the reference: step {step + 1}/{h.pretrain_steps}, loss {loss.item():.3f}"
-                )
-        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+            return F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), lines[:, 1:].reshape(-1), ignore_index=PAD)
+
+        return _runs.pretrain(lambda: TinyGPT(h.d_model, h.n_layer, h.n_head, h.block_size).to(self.device),
+                              batch_loss, steps=h.pretrain_steps, lr=h.pretrain_lr, seed=h.pretrain_seed, tag="toy_rlhf")
 
     def load_or_pretrain_reference(self, dm: RolloutDataModule) -> None:
         max_len = max(dm.hparams.max_digits + 2, dm.prompt_len + dm.hparams.max_new_tokens)
         if max_len > self.hparams.block_size:
             raise ValueError(f"`block_size` {self.hparams.block_size} is too small for sequences of {max_len} tokens.")
-        path = Path(self.hparams.cache_dir) / f"reference-{self.reference_key(dm.corpus_config())}.pt"
-        start = time.perf_counter()
-        if path.exists():
-            state = torch.load(path, map_location="cpu", weights_only=True)
-            self.reference_cached = True
-            rank_zero_info(f"[toy_rlhf] reference loaded from the cache: {path}")
-        else:
-            state = self.pretrain(dm)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            torch.save(state, tmp)
-            os.replace(tmp, path)  # atomic: a concurrent run never reads half a file
-            rank_zero_info(f"[toy_rlhf] reference pretrained and cached: {path}")
-        self.pretrain_seconds = time.perf_counter() - start
-        self.reference_path = path
+        state, self.reference_path, self.reference_cached, self.pretrain_seconds = _runs.load_or_pretrain(
+            self.hparams.cache_dir, self.reference_config(dm.corpus_config()), lambda: self.pretrain(dm), "toy_rlhf"
+        )
         self.ref.load_state_dict(state)
         self.policy.load_state_dict(state)
 
@@ -588,36 +541,11 @@ class ToyRLHF(pl.LightningModule):
 # the end of a run: plot and summary (from the CSV the run wrote)
 
 
-def read_metrics(csv_path: str | Path) -> dict[str, list[tuple[int, float]]]:
-    """``{column: [(step, value), ...]}`` of a CSVLogger ``metrics.csv`` (empty cells skipped)."""
-    import csv
-
-    series: dict[str, list[tuple[int, float]]] = {}
-    with open(csv_path, newline="") as f:
-        for row in csv.DictReader(f):
-            step = int(float(row["step"]))
-            for key, value in row.items():
-                if key in ("step", "epoch") or value in ("", None):
-                    continue
-                series.setdefault(key, []).append((step, float(value)))
-    return series
-
-
-def last_quarter_mean(points: list[tuple[int, float]]) -> float:
-    """The mean of the values over the last quarter of the points (at least one)."""
-    values = [v for _, v in points]
-    k = max(len(values) // 4, 1)
-    return sum(values[-k:]) / k
-
-
 def plot_run(
     series: dict[str, list[tuple[int, float]]], out: str | Path, title: str, target_kl: Optional[float] = None
 ) -> None:
     """Reward, KL and coefficient against the rollout step, in three panels, as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _runs.pyplot()
 
     def xy(key: str) -> tuple[list[int], list[float]]:
         pts = series.get(key, [])
@@ -649,10 +577,7 @@ def plot_run(
     ax.legend()
     for ax in axes:
         ax.set_xlabel("rollout step")
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    _runs.save_figure(fig, title, out)
 
 
 def find_target_kl(trainer: pl.Trainer) -> Optional[float]:
@@ -668,7 +593,7 @@ class ToyRLHFCLI(LightningCLI):
     def before_fit(self) -> None:
         self._start = time.perf_counter()
         loggers = self.trainer.loggers
-        csv_logger = next((lg for lg in loggers if isinstance(lg, CSVLogger)), None)
+        csv_logger = _runs.find_csv_logger(loggers)
         if csv_logger is None:
             return
         try:
@@ -688,36 +613,35 @@ class ToyRLHFCLI(LightningCLI):
         trainer, module = self.trainer, self.model
         if trainer.fast_dev_run or not isinstance(module, ToyRLHF):
             return
-        csv_logger = next((lg for lg in trainer.loggers if isinstance(lg, CSVLogger)), None)
-        if csv_logger is None:
-            rank_zero_info(f"[toy_rlhf] done in {seconds:.1f} s (no CSVLogger: no plot, no summary)")
+        run = _runs.finished_run(trainer, "toy_rlhf", seconds)
+        if run is None:
             return
+        csv_logger, series = run
         log_dir = Path(csv_logger.log_dir)
-        series = read_metrics(log_dir / "metrics.csv")
         target_kl = find_target_kl(trainer)
         png = log_dir / "toy_rlhf.png"
         plot_run(series, png, f"{csv_logger.name}: estimator {self._estimator_label()}", target_kl)
-        reward = last_quarter_mean(series["train/reward"])
-        kl = [v for _, v in series["train/kl"]]
+        reward = _runs.last_quarter_mean(_runs.values(series["train/reward"]))
+        kl = _runs.values(series["train/kl"])
         how = "loaded from cache" if module.reference_cached else "pretrained"
         lines = [
             f"[toy_rlhf] {len(kl)} rollouts in {seconds:.1f} s (reference {how} in {module.pretrain_seconds:.1f} s)",
             f"  reward : reference {module.ref_reward:.3f} -> final {reward:.3f} (mean over the last quarter of rollouts)",
-            f"  KL     : mean {sum(kl) / len(kl):.4f}, last quarter {last_quarter_mean(series['train/kl']):.4f} "
+            f"  KL     : mean {sum(kl) / len(kl):.4f}, last quarter {_runs.last_quarter_mean(kl):.4f} "
             "nats/token (exact, from logits)",
         ]
         if "train/kl_response" in series:
-            lines.append(f"           last quarter {last_quarter_mean(series['train/kl_response']):.4f} nats/response (exact)")
+            lines.append(f"           last quarter {_runs.last_quarter_mean(_runs.values(series['train/kl_response'])):.4f} nats/response (exact)")
         if target_kl is not None and "kl/value" in series:
             lines.append(
                 f"  control: target {target_kl:g}; KLRewardCallback KL over the last quarter "
-                f"{last_quarter_mean(series['kl/value']):.4f}, beta {series['kl/coef'][0][1]:.4f} -> {series['kl/coef'][-1][1]:.4f}"
+                f"{_runs.last_quarter_mean(_runs.values(series['kl/value'])):.4f}, beta {series['kl/coef'][0][1]:.4f} -> {series['kl/coef'][-1][1]:.4f}"
             )
         lines += [
             f"  files  : metrics {log_dir / 'metrics.csv'}",
             f"           plot    {png}",
             f"           config  {log_dir / 'config.yaml'}",
-            *[f"           tensorboard {lg.log_dir}" for lg in trainer.loggers if not isinstance(lg, CSVLogger)],
+            *[f"           tensorboard {lg.log_dir}" for lg in trainer.loggers if lg is not csv_logger],
             f"           reference {module.reference_path}",
             f"  check  : python examples/check_run.py {Path(csv_logger.save_dir)}",
         ]
@@ -735,7 +659,7 @@ class ToyRLHFCLI(LightningCLI):
 
 
 def main(args: Optional[list[str]] = None) -> ToyRLHFCLI:
-    # the rollout dataset has a length on purpose (no prefetch, see RolloutDataset) and is read in
+    # the rollout dataset has a length on purpose (no prefetch, see lk.OnPolicyRollouts) and is read in
     # this process (num_workers=0), so Lightning's warning about lengths and workers does not apply
     warnings.filterwarnings("ignore", message="Your `IterableDataset` has `__len__` defined")
     return ToyRLHFCLI(ToyRLHF, RolloutDataModule, args=args, save_config_kwargs={"overwrite": True})
