@@ -72,19 +72,26 @@ def check_matching(a_name: str, a: object, b_name: str, b: object) -> None:
         raise ValueError(f"`{a_name}` is on {a.device} but `{b_name}` is on {b.device}.")
 
 
-def check_mask(mask: Optional[Tensor], like: Tensor, like_name: str) -> Optional[Tensor]:
+def check_mask(
+    mask: Optional[Tensor], like: Tensor, like_name: str, without: Optional[str] = None
+) -> Optional[Tensor]:
     """Return ``mask`` as a bool tensor of ``like``'s shape, or raise an error naming both shapes.
 
-    A bool mask is used as is; an integer or floating mask is read as ``mask != 0``.
+    With ``without`` (e.g. ``"the vocabulary dimension"``) the mask has ``like``'s shape less its
+    last dimension, and the error says so and gives the expected shape. A bool mask is used as is;
+    an integer or floating mask is read as ``mask != 0``.
     """
     if mask is None:
         return None
     if not isinstance(mask, Tensor):
         raise TypeError(f"`mask` must be a torch.Tensor or None, got {type(mask).__name__}.")
-    if mask.shape != like.shape:
+    expected = like.shape if without is None else like.shape[:-1]
+    if mask.shape != expected:
+        what = f"`{like_name}`" if without is None else f"`{like_name}` without {without}"
+        hint = "" if without is None else f" (expected mask {tuple(expected)})"
         raise ValueError(
-            f"`mask` must have the shape of `{like_name}`: got mask {tuple(mask.shape)} "
-            f"and {like_name} {tuple(like.shape)}."
+            f"`mask` must have the shape of {what}: got mask {tuple(mask.shape)} "
+            f"and {like_name} {tuple(like.shape)}{hint}."
         )
     if mask.device != like.device:
         raise ValueError(f"`mask` is on {mask.device} but `{like_name}` is on {like.device}.")
@@ -102,18 +109,7 @@ def check_full_inputs(logits: Any, ref_logits: Any, mask: Optional[Tensor]) -> O
     assert isinstance(logits, Tensor)
     if logits.ndim == 0:
         raise ValueError("'full' takes logits `[..., V]` with a vocabulary dimension, got a scalar.")
-    if mask is None:
-        return None
-    if not isinstance(mask, Tensor):
-        raise TypeError(f"`mask` must be a torch.Tensor or None, got {type(mask).__name__}.")
-    if mask.shape != logits.shape[:-1]:
-        raise ValueError(
-            "`mask` must have the shape of `logits` without the vocabulary dimension: got mask "
-            f"{tuple(mask.shape)} and logits {tuple(logits.shape)} (expected mask {tuple(logits.shape[:-1])})."
-        )
-    if mask.device != logits.device:
-        raise ValueError(f"`mask` is on {mask.device} but `logits` is on {logits.device}.")
-    return mask if mask.dtype == torch.bool else mask != 0
+    return check_mask(mask, logits, "logits", without="the vocabulary dimension")
 
 
 def check_agg_mode(mode: object) -> str:
@@ -291,15 +287,4 @@ def check_full_hidden_inputs(
         )
     if ref_hidden.device != hidden.device:
         raise ValueError(f"`hidden` is on {hidden.device} but `ref_hidden` is on {ref_hidden.device}.")
-    if mask is None:
-        return None
-    if not isinstance(mask, Tensor):
-        raise TypeError(f"`mask` must be a torch.Tensor or None, got {type(mask).__name__}.")
-    if mask.shape != lead:
-        raise ValueError(
-            "`mask` must have the shape of `hidden` without the hidden dimension: got mask "
-            f"{tuple(mask.shape)} and hidden {tuple(hidden.shape)} (expected mask {tuple(lead)})."
-        )
-    if mask.device != hidden.device:
-        raise ValueError(f"`mask` is on {mask.device} but `hidden` is on {hidden.device}.")
-    return mask if mask.dtype == torch.bool else mask != 0
+    return check_mask(mask, hidden, "hidden", without="the hidden dimension")
