@@ -11,10 +11,6 @@ controller's trajectory independently of both.
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +19,7 @@ import torch
 from torch.testing import assert_close
 
 import lightning_kl as lk
+from _ddp import run_ddp_worker
 
 WORKER_PATH = Path(__file__).with_name("_ddp_worker.py")
 _spec = importlib.util.spec_from_file_location("_ddp_worker", WORKER_PATH)
@@ -39,29 +36,7 @@ SUM_MODES = ("token-sum", "seq-mean-token-sum-norm")
 @pytest.fixture(scope="module")
 def ddp(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("ddp")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    # the worker (and rank 1, which Lightning launches with this environment) must import this
-    # checkout's lightning_kl, not whichever one is installed: `python tests/_ddp_worker.py` puts
-    # tests/ first on the path, not the repository root
-    root = str(WORKER_PATH.parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    for var in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"):
-        env.pop(var, None)  # let Lightning choose a free port and launch rank 1 itself
-    try:
-        proc = subprocess.run(
-            [sys.executable, str(WORKER_PATH), str(out)], env=env, capture_output=True, text=True, timeout=180
-        )
-    except subprocess.TimeoutExpired as err:
-        pytest.fail(f"the 2-process DDP run did not finish in {err.timeout} s:\n{err.stderr}")
-    records = []
-    for rank in range(worker.WORLD):
-        path = out / f"rank{rank}.json"
-        assert proc.returncode == 0 and path.exists(), (
-            f"DDP worker failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-        )
-        records.append(json.loads(path.read_text()))
-    assert [r["rank"] for r in records] == [0, 1] and {r["world_size"] for r in records} == {2}
-    return records
+    return run_ddp_worker(WORKER_PATH, out, world=worker.WORLD)
 
 
 @pytest.fixture(scope="module")

@@ -10,11 +10,8 @@ from __future__ import annotations
 
 import ast
 import copy
-import importlib.util
-import json
-import os
-import subprocess
 import sys
+import importlib.util
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -24,6 +21,7 @@ from torch.testing import assert_close
 
 import lightning_kl as lk
 from lightning_kl import hf
+from _ddp import run_ddp_worker
 
 # peft's get_peft_model calls a transformers method that transformers 5 deprecates
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
@@ -435,23 +433,7 @@ def test_group_advantages_by_hand():
 
 
 def test_two_ddp_processes_train_the_same_adapters_on_different_rollouts(tmp_path, cache_dir):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    # the checkout's lightning_kl, not an installed one, in both ranks
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    for var in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"):
-        env.pop(var, None)  # let Lightning choose a free port and launch rank 1 itself
-    try:
-        proc = subprocess.run([sys.executable, str(Path(ddp_worker.__file__)), str(tmp_path), cache_dir], env=env,
-                              capture_output=True, text=True, timeout=180)
-    except subprocess.TimeoutExpired as err:
-        pytest.fail(f"the 2-process DDP run did not finish in {err.timeout} s:\n{err.stderr}")
-    records = []
-    for rank in range(ddp_worker.WORLD):
-        path = tmp_path / f"rank{rank}.json"
-        assert proc.returncode == 0 and path.exists(), (
-            f"DDP worker failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-        )
-        records.append(json.loads(path.read_text()))
+    records = run_ddp_worker(Path(ddp_worker.__file__), tmp_path, cache_dir, world=ddp_worker.WORLD)
     r0, r1 = records
     assert [r0["rank"], r1["rank"]] == [0, 1] and r0["world_size"] == r1["world_size"] == 2
     assert r0["first_sequences"] != r1["first_sequences"]  # each rank sampled its own prompts
