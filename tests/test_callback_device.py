@@ -88,7 +88,7 @@ class Spy(pl.Callback):
 
 
 def reference(estimator: str) -> tuple[list[float], list[Tensor]]:
-    """Float64 from DESIGN.md: the coefficient used for each batch and each batch's rewards."""
+    """Float64 from the documented formulas: the coefficient used for each batch and each batch's rewards."""
     value, coefs, rewards = INIT, [], []
     for step in range(STEPS):
         r = rollout(step)

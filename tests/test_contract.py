@@ -92,7 +92,7 @@ def test_adaptive_controller_resume_keeps_its_configured_target_and_horizon() ->
 
 
 def test_documented_defaults() -> None:
-    # DESIGN.md: KLRewardCallback(estimator="k1", controller=None) -> FixedKLController(0.001);
+    # the public API: KLRewardCallback(estimator="k1", controller=None) -> FixedKLController(0.001);
     # kl_penalty(..., estimator="k3+"); KLPenaltyLoss(estimator="k3+", coef=0.001, agg="token-mean")
     callback = lk.KLRewardCallback()
     assert callback.estimator == "k1"

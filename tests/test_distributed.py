@@ -4,7 +4,7 @@ One real run of ``Trainer(accelerator="cpu", devices=2, strategy="ddp")`` (tests
 subprocess with a timeout, a few seconds) records on each rank the ``KLRewardCallback``
 coefficient after every step, the shaped rewards, the synced ``KLMetric`` and the DDP-averaged
 gradients of ``KLPenaltyLoss`` in every aggregation mode. The same module then runs here in one
-process over the concatenated data, and float64 maths written from DESIGN.md checks the
+process over the concatenated data, and float64 maths written from the estimator table checks the
 controller's trajectory independently of both.
 """
 

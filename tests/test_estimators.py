@@ -1,4 +1,4 @@
-"""Values and gradients of every estimator name against float64 maths written from DESIGN.md's table."""
+"""Values and gradients of every estimator name against float64 maths written from the estimator table (docs/estimators.md)."""
 
 from __future__ import annotations
 

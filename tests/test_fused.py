@@ -1,4 +1,4 @@
-"""The fused estimators against the plain composition and against float64 maths from DESIGN.md's table.
+"""The fused estimators against the plain composition and against float64 maths from the estimator table (docs/estimators.md).
 
 Every sampled-token name, values and gradients w.r.t. both inputs, with masks whose padded positions
 hold NaN/inf, in float32/bfloat16/float16, on non-contiguous inputs, sizes that are not multiples of

@@ -19,7 +19,7 @@ Inputs of at most one chunk (on CPU) keep the composition (:func:`use_fused`): t
 either way, and a dozen plain ops cost less Python than the fused set-up. On other devices the
 whole tensor is one chunk (one kernel per step, in place); that path has not been timed on a GPU.
 
-Semantics are those of the composition, term for term (DESIGN.md's table): ``k3`` is the k3 of ``d``
+Semantics are those of the composition, term for term (the estimator table of the docs): ``k3`` is the k3 of ``d``
 clamped to ``[-20, 20]`` with a zero gradient outside, ``low_var_kl`` clamps that to ``[-10, 10]``
 with a zero gradient where clamped (both ends inclusive, as :func:`torch.clamp`'s gradient), ``abs``
 has gradient ``sign(d)`` (0 at 0), ``NAME+`` has the value of ``NAME`` and gradient ``d`` (and the
