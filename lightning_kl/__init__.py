@@ -13,7 +13,7 @@ from lightning_kl.metric import KLMetric
 from lightning_kl.rollouts import OnPolicyRollouts
 from lightning_kl.sequence import LEVELS
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "AGG_MODES",
