@@ -445,10 +445,10 @@ def test_two_ddp_processes_train_the_same_adapters_on_different_rollouts(tmp_pat
 
 
 def test_the_readme_rollout_and_training_step_run_and_train_the_adapters():
-    # the code a user copies from README.md "With Hugging Face models", on a tiny Qwen2 model
+    # the code a user copies from docs/huggingface.md, on a tiny Qwen2 model
     import re
 
-    section = (ROOT / "README.md").read_text().split("## With Hugging Face models")[1].split("\n## ")[0]
+    section = (ROOT / "docs" / "huggingface.md").read_text()
     namespace: dict = {}
     exec(re.findall(r"```python\n(.*?)```", section, re.S)[0], namespace)
     grpo = namespace["GRPO"](ex.build_model("qwen2", 16, 1, 2, 1, 32, 16), kl_coef=0.5)
@@ -463,6 +463,42 @@ def test_the_readme_rollout_and_training_step_run_and_train_the_adapters():
     grads = {n: p.grad for n, p in grpo.policy.named_parameters() if p.grad is not None}
     assert grads and all("lora_B" in n or "lora_A" in n for n in grads)
     assert any(g.abs().sum() > 0 for n, g in grads.items() if "lora_B" in n)
+
+
+def test_the_readme_quickstart_trains_the_adapters_with_a_sampled_and_the_full_kl():
+    # the README's quickstart: its GRPO module, fed a rollout from docs/huggingface.md's rollout()
+    import re
+
+    quick = (ROOT / "README.md").read_text().split("## Quickstart")[1].split("\n## ")[0]
+    module_code, full_code = re.findall(r"```python\n(.*?)```", quick, re.S)
+    rollout_code = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "huggingface.md").read_text(), re.S)[0]
+    namespace: dict = {}
+    exec(rollout_code, namespace)  # rollout() (its GRPO is replaced by the quickstart's next)
+    exec(module_code, namespace)
+    grpo = namespace["GRPO"](ex.build_model("qwen2", 16, 1, 2, 1, 32, 16), kl_coef=0.5)
+    logged = []
+    grpo.log = lambda name, value, **kwargs: logged.append(name)  # no Trainer attached
+    torch.manual_seed(0)
+    batch = namespace["rollout"](grpo.policy, ex.build_tokenizer(), ["<bos>1+2=", "<bos>11+3="], 3, 4)
+    batch["advantages"] = torch.tensor([1.0, -1.0, -1.0, -1.0, 1.0, 1.0])
+    grpo.training_step(batch, 0).backward()
+    assert logged == ["train/kl"]
+    grads = {n: q.grad for n, q in grpo.policy.named_parameters() if q.grad is not None}
+    assert grads and all("lora_" in n for n in grads)
+    assert any(g.abs().sum() > 0 for n, g in grads.items() if "lora_B" in n)
+    # the `full` lines, in the same step: the exact KL is 0 while lora_B = 0 (policy = reference),
+    # and positive once the adapters moved
+    seq, am, mask = batch["sequences"], batch["attention_mask"], batch["mask"]
+    scope = dict(namespace, self=grpo, seq=seq, am=am, mask=mask, p=seq.shape[1] - mask.shape[1])
+    exec(full_code, scope)
+    assert scope["kl_loss"].abs().item() < 1e-6
+    with torch.no_grad():
+        for n, q in grpo.policy.named_parameters():
+            if "lora_B" in n:
+                q.normal_(0, 0.5)
+    exec(full_code, scope)
+    assert scope["kl_loss"].item() > 1e-3
+    scope["kl_loss"].backward()
 
 
 def _write_run(root: Path, name: str, acc: list[float], kl: list[float], step_s: float) -> None:
