@@ -34,8 +34,8 @@ It installs nothing. What it does, printing progress as it goes:
      against the plain composition (both ``log_softmax``, ``exp``, multiply, sum) and, from hidden
      states, Liger's ``LigerFusedLinearJSD(jsd_beta=1)`` (its reverse KL: a scalar mean);
    * ``sequence``: ``kl_penalty(..., level="sequence")`` against ``level="token"`` (what it costs);
-   * ``chunks``: ``lk.token_logprobs`` and ``lk.full_kl`` at 16k tokens with 2^23, 2^25 (the CUDA
-     default) and 2^27 elements per chunk, to check the default on the device.
+   * ``chunks``: ``lk.token_logprobs``, ``lk.full_kl`` and ``lk.full_kl_from_hidden`` at 16k tokens
+     with 2^25 (the CUDA default), 2^23 and 2^27 elements per chunk, to check the defaults on the device.
 
    Each row also gives the largest difference of its forward value from the library's (the inputs
    are the same, seeded), so a wrong number on CUDA shows up next to its timing.
@@ -124,8 +124,9 @@ class Device:
             torch.cuda.synchronize(self.device)
 
     def free(self) -> None:
-        gc.collect()
+        """Give the last case's memory back (an error's traceback holds its frames: a collection frees them)."""
         if self.cuda:
+            gc.collect()
             torch.cuda.empty_cache()
 
     def reset_peak(self) -> None:
@@ -472,30 +473,36 @@ def _sequence_cases(shapes: Shapes, device: torch.device, dtypes: tuple[str, ...
 def _chunk_cases(shapes: Shapes, device: torch.device) -> list[Case]:
     n, vocab = shapes.chunk_tokens, shapes.vocab
     out = []
-    for what in ("token_logprobs", "full_kl"):
-        for k in shapes.chunk_exponents:
+    # the middle size first: the reference row (2^25, the CUDA default, in the GPU run)
+    exponents = list(shapes.chunk_exponents)
+    exponents.insert(0, exponents.pop(len(exponents) // 2))
+    for what in ("token_logprobs", "full_kl", "full_kl_from_hidden"):
+        for k in exponents:
             rows = max(1, 2**k // vocab)
 
             def build(what: str = what, rows: int = rows) -> tuple[Callable[[], Tensor], Callable[[], None]]:
-                z = _logits(n, vocab, device, 9)
+                leaves: tuple[Tensor, ...]
+                fn: Callable[[], Tensor]
                 if what == "token_logprobs":
+                    z = _logits(n, vocab, device, 9)
                     y = torch.randint(0, vocab, (n,), generator=_gen(device, 10), device=device)
-                    fn = lambda: lk.token_logprobs(z, y, chunk_size=rows)  # noqa: E731
+                    fn, leaves = (lambda: lk.token_logprobs(z, y, chunk_size=rows)), (z,)
+                elif what == "full_kl":
+                    z, ref = _logits(n, vocab, device, 9), _logits(n, vocab, device, 11, grad=False)
+                    fn, leaves = (lambda: lk.full_kl(z, ref, chunk_size=rows)), (z,)
                 else:
-                    ref = _logits(n, vocab, device, 11, grad=False)
-                    fn = lambda: lk.full_kl(z, ref, chunk_size=rows)  # noqa: E731
+                    (h, w), (rh, rw) = _head(n, shapes, device, 12, True), _head(n, shapes, device, 13, False)
+                    fn, leaves = (lambda: lk.full_kl_from_hidden(h, w, rh, rw, chunk_size=rows)), (h, w)
 
                 def step() -> Tensor:
                     v = fn()
                     v.sum().backward()
                     return v.detach()
 
-                return step, _clear(z)
+                return step, _clear(*leaves)
 
-            # the middle size is the reference row: 2^25, the CUDA default, in the GPU run
-            middle = k == shapes.chunk_exponents[len(shapes.chunk_exponents) // 2]
             label = f"2^{k} elements ({rows} rows)" + (" (CUDA default)" if k == 25 else "")
-            out.append(Case("chunks", what, str(n), n, "bfloat16", label, build, reference=middle))
+            out.append(Case("chunks", what, str(n), n, "bfloat16", label, build, reference=k == exponents[0]))
     return out
 
 
@@ -516,8 +523,8 @@ class Budget:
 class Watchdog:
     """Ends the process if one case runs far past its budget (a kernel cannot be interrupted)."""
 
-    def __init__(self, limit_s: float, on_hang: Callable[[str], None]) -> None:
-        self.limit_s, self.on_hang = limit_s, on_hang
+    def __init__(self, limit_s: float, on_hang: Callable[[str], None], poll_s: float = 1.0, end: Callable[[int], Any] = os._exit) -> None:
+        self.limit_s, self.on_hang, self.poll_s, self.end = limit_s, on_hang, poll_s, end
         self.case: Optional[str] = None
         self.since = 0.0
         self.lock = threading.Lock()
@@ -535,12 +542,13 @@ class Watchdog:
 
     def _watch(self) -> None:
         while True:
-            time.sleep(1.0)
+            time.sleep(self.poll_s)
             with self.lock:
                 case, since = self.case, self.since
             if case is not None and time.perf_counter() - since > self.limit_s:
                 self.on_hang(case)
-                os._exit(3)
+                self.end(3)  # os._exit: the main thread may be blocked in a kernel or a synchronize
+                return
 
 
 def run_cases(cases: list[Case], dev: Device, budget: Budget, max_reps: int, report: "Report", watchdog: Watchdog) -> None:
