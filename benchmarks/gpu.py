@@ -99,13 +99,14 @@ class Shapes:
     vocab: int
     dim: int
     tokens: tuple[int, ...]  # the from-logits and from-hidden sizes, increasing
+    seq_len: int  # logits are [tokens / seq_len, seq_len, V], as a batch of sequences (TRL loops over the batch)
     est_shape: tuple[int, int]  # [b, t] of the estimators and the sequence level
     chunk_tokens: int
     chunk_exponents: tuple[int, ...]  # elements per chunk: 2^k
 
 
-GPU_SHAPES = Shapes(VOCAB, DIM, (2048, 4096, 8192, 16384), (256, 32768), 16384, (23, 25, 27))
-SMOKE_SHAPES = Shapes(512, 32, (16, 32), (4, 512), 32, (10, 12))
+GPU_SHAPES = Shapes(VOCAB, DIM, (2048, 4096, 8192, 16384), 1024, (256, 32768), 16384, (23, 25, 27))
+SMOKE_SHAPES = Shapes(512, 32, (16, 32), 8, (4, 512), 32, (10, 12))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -341,13 +342,14 @@ def _logits_cases(shapes: Shapes, device: torch.device) -> list[Case]:
         for variant in ("lightning-kl", "log_softmax + gather", "trl selective_log_softmax"):
 
             def build(n: int = n, variant: str = variant) -> tuple[Callable[[], Tensor], Callable[[], None]]:
-                z = _logits(n, shapes.vocab, device, 1)
-                y = torch.randint(0, shapes.vocab, (n,), generator=_gen(device, 2), device=device)
+                lead = (n // shapes.seq_len, shapes.seq_len)
+                z = _logits(n, shapes.vocab, device, 1).detach().view(*lead, shapes.vocab).requires_grad_()
+                y = torch.randint(0, shapes.vocab, lead, generator=_gen(device, 2), device=device)
                 fn: Callable[[], Tensor]
                 if variant == "lightning-kl":
                     fn = lambda: lk.token_logprobs(z, y)  # noqa: E731
                 elif variant == "log_softmax + gather":
-                    fn = lambda: torch.log_softmax(z.float(), dim=-1).gather(-1, y[:, None]).squeeze(-1)  # noqa: E731
+                    fn = lambda: torch.log_softmax(z.float(), dim=-1).gather(-1, y[..., None]).squeeze(-1)  # noqa: E731
                 else:
                     sls = trl_selective_log_softmax()
                     fn = lambda: sls(z, y)  # noqa: E731
@@ -905,40 +907,44 @@ def coverage() -> dict[str, list[str]]:
     return {"missing": sorted(public - listed), "stale": sorted(listed - public)}
 
 
-def run_sync_debug(device: torch.device, report: "Report") -> None:
+def run_sync_debug(device: torch.device, report: "Report", watchdog: "Watchdog") -> None:
     checks = device.type == "cuda"
     for i, call in enumerate(SYNC_CALLS, 1):
         row: dict[str, Any] = {"name": call.name, "expected": call.syncs}
-        try:
-            fn = call.make(device)
-            if checks:
-                torch.cuda.synchronize(device)  # the inputs' work is not the call's
-            if call.guards_itself:
-                fn()
-            else:
-                with sync_debug(device):
-                    fn()
-            if checks:
-                torch.cuda.synchronize(device)
-            synced = False
-        except Exception as e:
-            if not _is_sync_error(e):
-                row.update(status="error", reason=f"{type(e).__name__}: {e}"[:300], traceback=traceback.format_exc(limit=6))
-                report.add_sync(row)
-                print(f"[sync {i}/{len(SYNC_CALLS)}] {call.name}: ERROR {row['reason']}", flush=True)
-                continue
-            synced = True
-            row["where"] = "".join(traceback.format_exception_only(type(e), e)).strip()[:300]
-            row["traceback"] = traceback.format_exc(limit=8)
-        if not checks:
-            status = "ran (sync-debug needs CUDA)"
-        elif synced:
-            status = "sync (expected)" if call.syncs else "SYNC (unexpected)"
-        else:
-            status = "no sync (marked as expected: update the mark)" if call.syncs else "no sync"
-        row["status"] = status
+        with watchdog.watching(f"sync-debug {call.name}"):
+            _check_sync(call, device, row, checks)
         report.add_sync(row)
-        print(f"[sync {i}/{len(SYNC_CALLS)}] {call.name}: {status}", flush=True)
+        print(f"[sync {i}/{len(SYNC_CALLS)}] {call.name}: {row['status']}" + (f" {row['reason']}" if row["status"] == "ERROR" else ""), flush=True)
+
+
+def _check_sync(call: SyncCall, device: torch.device, row: dict[str, Any], checks: bool) -> None:
+    """Run ``call`` under sync-debug; fill ``row`` with its status (and where it synchronized)."""
+    synced = False
+    try:
+        fn = call.make(device)
+        if checks:
+            torch.cuda.synchronize(device)  # the inputs' work is not the call's
+        if call.guards_itself:
+            fn()
+        else:
+            with sync_debug(device):
+                fn()
+        if checks:
+            torch.cuda.synchronize(device)
+    except Exception as e:
+        if not _is_sync_error(e):
+            row.update(status="ERROR", reason=f"{type(e).__name__}: {e}"[:300], traceback=traceback.format_exc(limit=6))
+            return
+        synced = True
+        row["where"] = "".join(traceback.format_exception_only(type(e), e)).strip()[:300]
+        row["traceback"] = traceback.format_exc(limit=8)
+    if not checks:
+        status = "ran (sync-debug needs CUDA)"
+    elif synced:
+        status = "sync (expected)" if call.syncs else "SYNC (unexpected)"
+    else:
+        status = "no sync (marked as expected: update the mark)" if call.syncs else "no sync"
+    row["status"] = status
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1025,7 +1031,7 @@ def markdown(data: dict[str, Any]) -> str:
         lines.append("")
     lines += ["## sync-debug (`torch.cuda.set_sync_debug_mode(\"error\")`)", "", "| call | result | expected to sync today because |", "|---|---|---|"]
     for s in data["sync_debug"]:
-        result = s["status"] + (f": {s['reason']}" if s["status"] == "error" else "")
+        result = s["status"] + (f": {s['reason']}" if s["status"] == "ERROR" else "")
         lines.append(f"| {s['name']} | {result} | {s.get('expected') or ''} |")
     cov = data["coverage"]
     lines += ["", f"Public names not covered: {', '.join(cov['missing']) or 'none'}; listed but not public: {', '.join(cov['stale']) or 'none'}."]
@@ -1109,12 +1115,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     # error's traceback holds) then skips it (0.3 s a collection with lightning imported)
     gc.freeze()
     start = time.perf_counter()
+    watchdog = Watchdog(3 * args.case_budget + 60, report.hung)
     if not args.no_sync_debug:
-        run_sync_debug(device, report)
+        run_sync_debug(device, report, watchdog)
     if not args.no_figures:
         dev = Device(device)
         budget = Budget(args.budget, args.case_budget)
-        watchdog = Watchdog(3 * args.case_budget + 60, report.hung)
         cases = build_cases(shapes, device, ("bfloat16", "float32"))
         if args.groups:
             wanted = set(args.groups.split(","))
