@@ -90,6 +90,9 @@ VOCAB = 151_936  # Qwen2.5's vocabulary
 DIM = 1536  # Qwen2.5-1.5B's hidden size (its head is [151936, 1536])
 MIB = 2**20
 
+#: One forward + backward; ``step(True)`` also returns the forward value (detached).
+Step = Callable[[bool], Optional[Tensor]]
+
 # ---------------------------------------------------------------------------------------------
 # shapes: the GPU run and the CPU smoke run (tiny, seconds)
 
@@ -140,21 +143,24 @@ class Device:
     def peak(self) -> Optional[int]:
         return torch.cuda.max_memory_allocated(self.device) if self.cuda else None
 
-    def timed(self, fn: Callable[[], Any]) -> tuple[Any, float, float]:
-        """``(fn(), device ms, host wall seconds)``, the device idle before and after."""
+    def timed(self, fn: Callable[[], Any]) -> tuple[float, float]:
+        """``(device ms, host wall seconds)`` of ``fn()``, the device idle before and after.
+
+        ``fn``'s result is dropped at once: it would otherwise live through the next call and
+        count in its peak memory.
+        """
         self.sync()
         t0 = time.perf_counter()
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            out = fn()
+            fn()
             end.record()
             end.synchronize()
-            wall = time.perf_counter() - t0
-            return out, start.elapsed_time(end), wall
-        out = fn()
+            return start.elapsed_time(end), time.perf_counter() - t0
+        fn()
         wall = time.perf_counter() - t0
-        return out, wall * 1e3, wall
+        return wall * 1e3, wall
 
 
 @dataclass
@@ -168,8 +174,8 @@ class Measured:
     value: Optional[Tensor] = None  # the warm-up's forward value, float64 on the host
 
 
-def measure(step: Callable[[], Tensor], clear: Callable[[], None], dev: Device, budget_s: float, max_reps: int) -> Measured:
-    """Time ``step()`` (forward + backward, returns the forward value) within ``budget_s`` seconds.
+def measure(step: Step, clear: Callable[[], None], dev: Device, budget_s: float, max_reps: int) -> Measured:
+    """Time ``step`` (forward + backward) within ``budget_s`` seconds; keep the warm-up's forward value.
 
     The warm-up iteration pays one-time costs (cuBLAS handles, Triton autotuning) and is timed
     alone: past the budget the case stops there. Then at least one timed repetition, and more
@@ -177,8 +183,10 @@ def measure(step: Callable[[], Tensor], clear: Callable[[], None], dev: Device, 
     ``clear()`` after every step drops the input gradients, so each step starts from the same
     allocation. The peak is measured over the timed repetitions, from the allocation before them.
     """
-    value, _, first = dev.timed(step)
-    value = value.detach().to("cpu", torch.float64) if isinstance(value, Tensor) else None
+    kept: list[Optional[Tensor]] = []
+    _, first = dev.timed(lambda: kept.append(step(True)))
+    value = kept[0].to("cpu", torch.float64) if kept and kept[0] is not None else None
+    kept.clear()
     clear()
     if first > budget_s:
         return Measured("skipped", f"the first iteration took {first:.1f} s > the case budget {budget_s:.0f} s", first_s=first, value=value)
@@ -187,7 +195,7 @@ def measure(step: Callable[[], Tensor], clear: Callable[[], None], dev: Device, 
     dev.reset_peak()
     spent, times = first, []
     while len(times) < max_reps:
-        _, ms, wall = dev.timed(step)
+        ms, wall = dev.timed(lambda: step(False))
         clear()
         times.append(ms)
         spent += wall
@@ -255,7 +263,7 @@ class Case:
     tokens: int  # for the prediction from the previous size
     dtype: str
     variant: str
-    build: Callable[[], tuple[Callable[[], Tensor], Callable[[], None]]]
+    build: Callable[[], tuple[Step, Callable[[], None]]]
     reference: bool = False  # the library's row of its (group, what, size, dtype): the others' ratios are against it
     needs_cuda: bool = False
     compare: str = "value"  # how the value compares with the reference's: "value" or "mean" (a scalar anchor)
@@ -283,6 +291,24 @@ def _clear(*leaves: Tensor) -> Callable[[], None]:
             x.grad = None
 
     return clear
+
+
+def _step(forward: Callable[[], Tensor], reduce: Callable[[Tensor], Tensor] = torch.sum) -> Step:
+    """One forward + backward of ``reduce(forward())``; ``step(True)`` also returns the forward value.
+
+    The value is dropped before backward (unless kept), as a training step drops it when
+    ``training_step`` returns the loss: only what autograd saved stays alive.
+    """
+
+    def step(keep: bool) -> Optional[Tensor]:
+        value = forward()
+        loss = reduce(value)
+        kept = value.detach() if keep else None
+        del value
+        loss.backward()
+        return kept
+
+    return step
 
 
 def build_cases(shapes: Shapes, device: torch.device, dtypes: tuple[str, ...]) -> list[Case]:
@@ -313,19 +339,17 @@ def _estimator_cases(shapes: Shapes, device: torch.device, dtypes: tuple[str, ..
                 continue  # aliases: the same kernels as k1 and k2
             for variant in ("lightning-kl", "composition"):
 
-                def build(name: str = name, variant: str = variant, dtype: str = dtype) -> tuple[Callable[[], Tensor], Callable[[], None]]:
+                def build(name: str = name, variant: str = variant, dtype: str = dtype) -> tuple[Step, Callable[[], None]]:
                     logprob, ref, mask = _estimator_inputs((b, t), getattr(torch, dtype), device)
 
-                    def step() -> Tensor:
+                    def forward() -> Tensor:
                         fused.ENABLED = variant == "lightning-kl"
                         try:
-                            value = lk.kl_penalty(logprob, ref, name, mask=mask)
+                            return lk.kl_penalty(logprob, ref, name, mask=mask)
                         finally:
                             fused.ENABLED = True
-                        lk.aggregate(value, mask).backward()
-                        return value.detach()
 
-                    return step, _clear(logprob)
+                    return _step(forward, lambda value: lk.aggregate(value, mask)), _clear(logprob)
 
                 out.append(Case("estimators", name, f"{b}x{t}", b * t, dtype, variant, build, reference=variant == "lightning-kl"))
     return out
@@ -341,7 +365,7 @@ def _logits_cases(shapes: Shapes, device: torch.device) -> list[Case]:
     for n in shapes.tokens:
         for variant in ("lightning-kl", "log_softmax + gather", "trl selective_log_softmax"):
 
-            def build(n: int = n, variant: str = variant) -> tuple[Callable[[], Tensor], Callable[[], None]]:
+            def build(n: int = n, variant: str = variant) -> tuple[Step, Callable[[], None]]:
                 lead = (n // shapes.seq_len, shapes.seq_len)
                 z = _logits(n, shapes.vocab, device, 1).detach().view(*lead, shapes.vocab).requires_grad_()
                 y = torch.randint(0, shapes.vocab, lead, generator=_gen(device, 2), device=device)
@@ -354,12 +378,7 @@ def _logits_cases(shapes: Shapes, device: torch.device) -> list[Case]:
                     sls = trl_selective_log_softmax()
                     fn = lambda: sls(z, y)  # noqa: E731
 
-                def step() -> Tensor:
-                    lp = fn()
-                    lp.sum().backward()
-                    return lp.detach()
-
-                return step, _clear(z)
+                return _step(fn), _clear(z)
 
             out.append(Case("logprobs-logits", "token_logprobs", str(n), n, "bfloat16", variant, build, reference=variant == "lightning-kl"))
     return out
@@ -377,7 +396,7 @@ def _hidden_cases(shapes: Shapes, device: torch.device) -> list[Case]:
     for n in shapes.tokens:
         for variant in ("lightning-kl", "linear + log_softmax + gather", "liger fused linear CE"):
 
-            def build(n: int = n, variant: str = variant) -> tuple[Callable[[], Tensor], Callable[[], None]]:
+            def build(n: int = n, variant: str = variant) -> tuple[Step, Callable[[], None]]:
                 h, w = _head(n, shapes, device, 3, True)
                 y = torch.randint(0, shapes.vocab, (n,), generator=_gen(device, 4), device=device)
                 fn: Callable[[], Tensor]
@@ -389,12 +408,7 @@ def _hidden_cases(shapes: Shapes, device: torch.device) -> list[Case]:
                     liger = liger_linear_logprobs()
                     fn = lambda: liger(h, w, y)  # noqa: E731
 
-                def step() -> Tensor:
-                    lp = fn()
-                    lp.sum().backward()
-                    return lp.detach()
-
-                return step, _clear(h, w)
+                return _step(fn), _clear(h, w)
 
             case = Case("logprobs-hidden", "token_logprobs_from_hidden", str(n), n, "bfloat16", variant, build, reference=variant == "lightning-kl")
             case.needs_cuda = variant.startswith("liger")
@@ -412,21 +426,16 @@ def _full_cases(shapes: Shapes, device: torch.device) -> list[Case]:
     for n in shapes.tokens:
         for variant in ("lightning-kl", "log_softmax composition"):
 
-            def build(n: int = n, variant: str = variant) -> tuple[Callable[[], Tensor], Callable[[], None]]:
+            def build(n: int = n, variant: str = variant) -> tuple[Step, Callable[[], None]]:
                 z, ref = _logits(n, shapes.vocab, device, 5), _logits(n, shapes.vocab, device, 6, grad=False)
                 fn = (lambda: lk.full_kl(z, ref)) if variant == "lightning-kl" else (lambda: _naive_full_kl(z, ref))
 
-                def step() -> Tensor:
-                    kl = fn()
-                    kl.sum().backward()
-                    return kl.detach()
-
-                return step, _clear(z)
+                return _step(fn), _clear(z)
 
             out.append(Case("full-logits", "full_kl", str(n), n, "bfloat16", variant, build, reference=variant == "lightning-kl"))
         for variant in ("lightning-kl", "linear + log_softmax composition", "liger fused linear JSD beta=1"):
 
-            def build_h(n: int = n, variant: str = variant) -> tuple[Callable[[], Tensor], Callable[[], None]]:
+            def build_h(n: int = n, variant: str = variant) -> tuple[Step, Callable[[], None]]:
                 h, w = _head(n, shapes, device, 7, True)
                 rh, rw = _head(n, shapes, device, 8, False)
                 fn: Callable[[], Tensor]
@@ -438,12 +447,7 @@ def _full_cases(shapes: Shapes, device: torch.device) -> list[Case]:
                     liger = liger_linear_reverse_kl()
                     fn = lambda: liger(h, w, rh, rw)  # noqa: E731
 
-                def step() -> Tensor:
-                    kl = fn()
-                    kl.sum().backward()
-                    return kl.detach()
-
-                return step, _clear(h, w)
+                return _step(fn), _clear(h, w)
 
             case = Case("full-hidden", "full_kl_from_hidden", str(n), n, "bfloat16", variant, build_h, reference=variant == "lightning-kl")
             if variant.startswith("liger"):
@@ -458,15 +462,11 @@ def _sequence_cases(shapes: Shapes, device: torch.device, dtypes: tuple[str, ...
     for dtype in dtypes:
         for level in ("sequence", "token"):
 
-            def build(level: str = level, dtype: str = dtype) -> tuple[Callable[[], Tensor], Callable[[], None]]:
+            def build(level: str = level, dtype: str = dtype) -> tuple[Step, Callable[[], None]]:
                 logprob, ref, mask = _estimator_inputs((b, t), getattr(torch, dtype), device)
 
-                def step() -> Tensor:
-                    value = lk.kl_penalty(logprob, ref, "k3+", mask=mask, level=level)
-                    lk.aggregate(value, mask, mode="seq-mean-token-sum").backward()
-                    return value.detach()
-
-                return step, _clear(logprob)
+                forward = lambda: lk.kl_penalty(logprob, ref, "k3+", mask=mask, level=level)  # noqa: E731
+                return _step(forward, lambda value: lk.aggregate(value, mask, mode="seq-mean-token-sum")), _clear(logprob)
 
             out.append(Case("sequence", "k3+", f"{b}x{t}", b * t, dtype, f"level={level}", build, reference=level == "sequence"))
     return out
@@ -482,7 +482,7 @@ def _chunk_cases(shapes: Shapes, device: torch.device) -> list[Case]:
         for k in exponents:
             rows = max(1, 2**k // vocab)
 
-            def build(what: str = what, rows: int = rows) -> tuple[Callable[[], Tensor], Callable[[], None]]:
+            def build(what: str = what, rows: int = rows) -> tuple[Step, Callable[[], None]]:
                 leaves: tuple[Tensor, ...]
                 fn: Callable[[], Tensor]
                 if what == "token_logprobs":
@@ -496,12 +496,7 @@ def _chunk_cases(shapes: Shapes, device: torch.device) -> list[Case]:
                     (h, w), (rh, rw) = _head(n, shapes, device, 12, True), _head(n, shapes, device, 13, False)
                     fn, leaves = (lambda: lk.full_kl_from_hidden(h, w, rh, rw, chunk_size=rows)), (h, w)
 
-                def step() -> Tensor:
-                    v = fn()
-                    v.sum().backward()
-                    return v.detach()
-
-                return step, _clear(*leaves)
+                return _step(fn), _clear(*leaves)
 
             label = f"2^{k} elements ({rows} rows)" + (" (CUDA default)" if k == 25 else "")
             out.append(Case("chunks", what, str(n), n, "bfloat16", label, build, reference=k == exponents[0]))

@@ -129,11 +129,11 @@ class FakeCuda:
         self.peak = self.allocated
 
     def step(self, seconds: float = 0.0, extra_mib: int = 300) -> Any:
-        def step() -> torch.Tensor:
+        def step(keep: bool) -> Any:
             self.log.append("step")
             self.peak = max(self.peak, self.allocated + extra_mib * gpu.MIB)  # a transient allocation
             time.sleep(seconds)
-            return torch.ones(3)
+            return torch.ones(3) if keep else None
 
         return step
 
@@ -205,7 +205,7 @@ def test_oom_and_anchor_errors_are_reported_and_the_run_goes_on(tmp_path):
     def broken() -> Any:
         raise TypeError("forward() takes 4 positional arguments but 5 were given")
 
-    ok = gpu.Case("g", "w", "1", 1, "float32", "lightning-kl", lambda: (lambda: torch.ones(2), lambda: None), reference=True)
+    ok = gpu.Case("g", "w", "1", 1, "float32", "lightning-kl", lambda: (lambda keep: torch.ones(2), lambda: None), reference=True)
     cases = [gpu.Case("g", "w", "1", 1, "float32", "naive", oom), gpu.Case("g", "w", "1", 1, "float32", "anchor", broken), ok]
     dog = gpu.Watchdog(60.0, report.hung)
     gpu.run_cases(cases, gpu.Device(torch.device("cpu")), gpu.Budget(60.0, 10.0), 2, report, dog)
