@@ -11,9 +11,9 @@ It installs nothing. What it does, printing progress as it goes:
 2. **Sync-debug**: every public function, the loss, the metric, the controllers and
    ``KLRewardCallback`` (its per-step hook, in a real ``Trainer``) run forward and backward under
    ``torch.cuda.set_sync_debug_mode("error")``: a call that makes the host wait for the device
-   raises there. :data:`SYNC_CALLS` marks the calls expected to synchronize today, with the reason;
+   raises there. The list (``_gpu_sync.py``) marks the calls expected to synchronize today, with the reason;
    the run reports each call as ``no sync``, ``sync (expected)``, ``SYNC (unexpected)`` or ``no sync
-   (marked as expected: update the mark)`` and never stops at one. :func:`coverage` checks that every
+   (marked as expected: update the mark)`` and never stops at one. ``coverage()`` checks that every
    name in ``lightning_kl.__all__`` and ``lightning_kl.hf.__all__`` is called by the list or listed
    in :data:`HOST_ONLY` with a reason, so the list cannot fall behind the API. On CPU (``--smoke``)
    sync-debug does nothing, but every call still runs, so the list cannot rot.
@@ -73,7 +73,6 @@ import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -81,10 +80,13 @@ sys.path.insert(0, str(ROOT))  # this checkout's package, not an installed one
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from torch import Tensor, nn  # noqa: E402
+from torch import Tensor  # noqa: E402
 
 import lightning_kl as lk  # noqa: E402
 from lightning_kl.kernels import fused  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder: the sync-debug list
+from _gpu_sync import HOST_ONLY, SYNC_CALLS, SyncCall, check_sync, coverage, sampled_inputs, seeded  # noqa: E402,F401
 
 VOCAB = 151_936  # Qwen2.5's vocabulary
 DIM = 1536  # Qwen2.5-1.5B's hidden size (its head is [151936, 1536])
@@ -281,10 +283,6 @@ class Case:
         return f"{self.group} {self.what} {self.size} {self.dtype} {self.variant}"
 
 
-def _gen(device: torch.device, seed: int) -> torch.Generator:
-    return torch.Generator(device=device).manual_seed(seed)
-
-
 def _clear(*leaves: Tensor) -> Callable[[], None]:
     def clear() -> None:
         for x in leaves:
@@ -322,14 +320,6 @@ def build_cases(shapes: Shapes, device: torch.device, dtypes: tuple[str, ...]) -
     return cases
 
 
-def _estimator_inputs(shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
-    g = _gen(device, 0)
-    logprob = (-torch.rand(shape, generator=g, device=device) * 3).to(dtype).requires_grad_()
-    ref = (logprob.detach().float() + 0.3 * torch.randn(shape, generator=g, device=device)).to(dtype)
-    mask = torch.rand(shape, generator=g, device=device) < 0.9
-    return logprob, ref, mask
-
-
 def _estimator_cases(shapes: Shapes, device: torch.device, dtypes: tuple[str, ...]) -> list[Case]:
     b, t = shapes.est_shape
     out = []
@@ -340,7 +330,7 @@ def _estimator_cases(shapes: Shapes, device: torch.device, dtypes: tuple[str, ..
             for variant in ("lightning-kl", "composition"):
 
                 def build(name: str = name, variant: str = variant, dtype: str = dtype) -> tuple[Step, Callable[[], None]]:
-                    logprob, ref, mask = _estimator_inputs((b, t), getattr(torch, dtype), device)
+                    logprob, ref, mask = sampled_inputs((b, t), getattr(torch, dtype), device)
 
                     def forward() -> Tensor:
                         fused.ENABLED = variant == "lightning-kl"
@@ -356,7 +346,7 @@ def _estimator_cases(shapes: Shapes, device: torch.device, dtypes: tuple[str, ..
 
 
 def _logits(n: int, vocab: int, device: torch.device, seed: int, grad: bool = True) -> Tensor:
-    z = (torch.randn(n, vocab, generator=_gen(device, seed), device=device, dtype=torch.bfloat16) * 2)
+    z = (torch.randn(n, vocab, generator=seeded(device, seed), device=device, dtype=torch.bfloat16) * 2)
     return z.requires_grad_(grad)
 
 
@@ -368,7 +358,7 @@ def _logits_cases(shapes: Shapes, device: torch.device) -> list[Case]:
             def build(n: int = n, variant: str = variant) -> tuple[Step, Callable[[], None]]:
                 lead = (n // shapes.seq_len, shapes.seq_len)
                 z = _logits(n, shapes.vocab, device, 1).detach().view(*lead, shapes.vocab).requires_grad_()
-                y = torch.randint(0, shapes.vocab, lead, generator=_gen(device, 2), device=device)
+                y = torch.randint(0, shapes.vocab, lead, generator=seeded(device, 2), device=device)
                 fn: Callable[[], Tensor]
                 if variant == "lightning-kl":
                     fn = lambda: lk.token_logprobs(z, y)  # noqa: E731
@@ -385,7 +375,7 @@ def _logits_cases(shapes: Shapes, device: torch.device) -> list[Case]:
 
 
 def _head(n: int, shapes: Shapes, device: torch.device, seed: int, grad: bool) -> tuple[Tensor, Tensor]:
-    g = _gen(device, seed)
+    g = seeded(device, seed)
     h = torch.randn(n, shapes.dim, generator=g, device=device, dtype=torch.bfloat16).requires_grad_(grad)
     w = (torch.randn(shapes.vocab, shapes.dim, generator=g, device=device) * shapes.dim**-0.5).to(torch.bfloat16)
     return h, w.requires_grad_(grad)
@@ -398,7 +388,7 @@ def _hidden_cases(shapes: Shapes, device: torch.device) -> list[Case]:
 
             def build(n: int = n, variant: str = variant) -> tuple[Step, Callable[[], None]]:
                 h, w = _head(n, shapes, device, 3, True)
-                y = torch.randint(0, shapes.vocab, (n,), generator=_gen(device, 4), device=device)
+                y = torch.randint(0, shapes.vocab, (n,), generator=seeded(device, 4), device=device)
                 fn: Callable[[], Tensor]
                 if variant == "lightning-kl":
                     fn = lambda: lk.token_logprobs_from_hidden(h, w, y)  # noqa: E731
@@ -463,7 +453,7 @@ def _sequence_cases(shapes: Shapes, device: torch.device, dtypes: tuple[str, ...
         for level in ("sequence", "token"):
 
             def build(level: str = level, dtype: str = dtype) -> tuple[Step, Callable[[], None]]:
-                logprob, ref, mask = _estimator_inputs((b, t), getattr(torch, dtype), device)
+                logprob, ref, mask = sampled_inputs((b, t), getattr(torch, dtype), device)
 
                 forward = lambda: lk.kl_penalty(logprob, ref, "k3+", mask=mask, level=level)  # noqa: E731
                 return _step(forward, lambda value: lk.aggregate(value, mask, mode="seq-mean-token-sum")), _clear(logprob)
@@ -487,7 +477,7 @@ def _chunk_cases(shapes: Shapes, device: torch.device) -> list[Case]:
                 fn: Callable[[], Tensor]
                 if what == "token_logprobs":
                     z = _logits(n, vocab, device, 9)
-                    y = torch.randint(0, vocab, (n,), generator=_gen(device, 10), device=device)
+                    y = torch.randint(0, vocab, (n,), generator=seeded(device, 10), device=device)
                     fn, leaves = (lambda: lk.token_logprobs(z, y, chunk_size=rows)), (z,)
                 elif what == "full_kl":
                     z, ref = _logits(n, vocab, device, 9), _logits(n, vocab, device, 11, grad=False)
@@ -624,282 +614,7 @@ def _run_case(
 
 
 # ---------------------------------------------------------------------------------------------
-# the sync-debug list
-
-
-@dataclass
-class SyncCall:
-    name: str
-    covers: tuple[str, ...]  # the public names it exercises
-    make: Callable[[torch.device], Callable[[], Any]]  # builds the inputs; returns the call to check
-    syncs: Optional[str] = None  # why it is expected to synchronize today; None: it should not
-    guards_itself: bool = False  # the call wraps its own checked region (a Trainer around a hook)
-
-
-@contextlib.contextmanager
-def sync_debug(device: torch.device) -> Iterator[None]:
-    """``torch.cuda.set_sync_debug_mode("error")`` on CUDA (restored after); nothing on CPU."""
-    if device.type != "cuda":
-        yield
-        return
-    before = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode(before)
-
-
-def _is_sync_error(e: BaseException) -> bool:
-    return isinstance(e, RuntimeError) and "synchroniz" in str(e)
-
-
-def _sampled(device: torch.device, name: str, **kwargs: Any) -> Callable[[], Any]:
-    logprob, ref, mask = _estimator_inputs((4, 16), torch.float32, device)
-    old = (logprob.detach() + 0.1).contiguous() if kwargs.pop("old", False) else None
-
-    def call() -> None:
-        value = lk.kl_penalty(logprob, ref, name, mask=mask, old_logprob=old, **kwargs)
-        lk.aggregate(value, mask, mode="seq-mean-token-sum").backward()
-
-    return call
-
-
-def _aggregate(device: torch.device, mode: str, masked: bool) -> Callable[[], Any]:
-    logprob, _, mask = _estimator_inputs((4, 16), torch.float32, device)
-    m = mask if masked else None
-    return lambda: lk.aggregate(logprob, m, mode=mode).backward()
-
-
-def _logprobs_call(device: torch.device, ignore: bool) -> Callable[[], Any]:
-    z = torch.randn(4, 8, 50, device=device, requires_grad=True)
-    y = torch.randint(0, 50, (4, 8), device=device)
-    if ignore:
-        y[:, -2:] = -100
-    return lambda: lk.token_logprobs(z, y, ignore_index=-100 if ignore else None).sum().backward()
-
-
-def _hidden_call(device: torch.device) -> Callable[[], Any]:
-    h = torch.randn(4, 8, 16, device=device, requires_grad=True)
-    w = torch.randn(50, 16, device=device, requires_grad=True)
-    y = torch.randint(0, 50, (4, 8), device=device)
-    return lambda: lk.token_logprobs_from_hidden(h, w, y).sum().backward()
-
-
-def _full_call(device: torch.device, masked: bool) -> Callable[[], Any]:
-    z = torch.randn(4, 8, 50, device=device, requires_grad=True)
-    ref = torch.randn(4, 8, 50, device=device)
-    mask = (torch.arange(8, device=device) < 6).expand(4, 8) if masked else None
-    return lambda: lk.full_kl(z, ref, mask).sum().backward()
-
-
-def _full_hidden_call(device: torch.device) -> Callable[[], Any]:
-    h = torch.randn(4, 8, 16, device=device, requires_grad=True)
-    w = torch.randn(50, 16, device=device, requires_grad=True)
-    rh, rw = torch.randn(4, 8, 16, device=device), torch.randn(50, 16, device=device)
-    return lambda: lk.full_kl_from_hidden(h, w, rh, rw).sum().backward()
-
-
-def _loss_call(device: torch.device, estimator: str, from_hidden: bool = False) -> Callable[[], Any]:
-    loss_fn = lk.KLPenaltyLoss(estimator, coef=0.1, level="sequence" if from_hidden else "token",
-                               agg="seq-mean-token-sum" if from_hidden else "token-mean").to(device)
-    logprob, ref, mask = _estimator_inputs((4, 8), torch.float32, device)
-    if from_hidden:
-        h = torch.randn(4, 8, 16, device=device, requires_grad=True)
-        w = torch.randn(50, 16, device=device, requires_grad=True)
-        rh, rw = torch.randn(4, 8, 16, device=device), torch.randn(50, 16, device=device)
-        y = torch.randint(0, 50, (4, 8), device=device)
-
-        def call() -> None:
-            sampled = lk.token_logprobs_from_hidden(h, w, y)
-            loss_fn(lk.FromHidden(h, w), lk.FromHidden(rh, rw), mask, sampled_logprob=sampled).backward()
-
-        return call
-    totals = lk.step_totals([mask, mask])
-    return lambda: loss_fn(logprob, ref, mask, num_tokens=totals["num_tokens"], num_seqs=totals["num_seqs"], accumulate_grad_batches=2).backward()
-
-
-def _metric_call(device: torch.device, masked: bool) -> Callable[[], Any]:
-    metric = lk.KLMetric().to(device)
-    values, _, mask = _estimator_inputs((4, 8), torch.float32, device)
-
-    def call() -> None:
-        metric.update(values.detach(), mask if masked else None)
-        metric.compute()
-
-    return call
-
-
-def _controller_call(device: torch.device, adaptive: bool) -> Callable[[], Any]:
-    c = lk.AdaptiveKLController(0.1, 6.0, 100) if adaptive else lk.FixedKLController(0.1)
-    kl, n = torch.tensor(0.5, dtype=torch.float64, device=device), torch.tensor(8.0, dtype=torch.float64, device=device)
-    c.value_tensor(device)
-
-    def call() -> None:
-        c.update(kl, n)
-        c.value_tensor(device)
-
-    return call
-
-
-def _controller_read(device: torch.device) -> Callable[[], Any]:
-    c = lk.AdaptiveKLController(0.1, 6.0, 100)
-    c.update(torch.tensor(0.5, dtype=torch.float64, device=device), torch.tensor(8.0, dtype=torch.float64, device=device))
-    return lambda: c.value
-
-
-def _rollout(device: torch.device, per_sequence: bool) -> dict[str, Tensor]:
-    logprobs, ref, mask = _estimator_inputs((4, 8), torch.float32, device)
-    mask[:, 0] = True
-    scores = torch.randn(4, device=device) if per_sequence else torch.randn(4, 8, device=device)
-    return {"scores": scores, "logprobs": logprobs.detach(), "ref_logprobs": ref, "mask": mask}
-
-
-def _shape_rewards_call(device: torch.device) -> Callable[[], Any]:
-    cb = lk.KLRewardCallback("k3", lk.AdaptiveKLController(0.1, 6.0, 100))
-    batch = _rollout(device, per_sequence=True)
-
-    def call() -> None:
-        _, kl_sum, n = cb.shape_rewards(batch)
-        cb.update_controller(kl_sum, n)
-
-    return call
-
-
-def _callback_call(device: torch.device) -> Callable[[], Any]:
-    """``KLRewardCallback.on_train_batch_start`` checked inside a real Trainer on ``device``."""
-    import lightning.pytorch as pl
-
-    outcome: dict[str, Any] = {}
-
-    class Checked(lk.KLRewardCallback):
-        def on_train_batch_start(self, *args: Any, **kwargs: Any) -> None:
-            try:
-                with sync_debug(device):
-                    super().on_train_batch_start(*args, **kwargs)
-            except Exception as e:  # recorded, raised after fit: a Trainer would wrap it
-                outcome.setdefault("error", e)
-
-    class Module(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.w = nn.Parameter(torch.zeros(()))
-
-        def train_dataloader(self) -> Any:
-            return torch.utils.data.DataLoader([_rollout(torch.device("cpu"), False) for _ in range(2)], batch_size=None)
-
-        def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-            outcome["rewards"] = "rewards" in batch
-            return (self.w * batch["logprobs"].sum()) ** 2
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.SGD(self.parameters(), lr=0.0)
-
-    def call() -> None:
-        trainer = pl.Trainer(
-            accelerator="cuda" if device.type == "cuda" else "cpu", devices=1, max_steps=2, logger=False,
-            enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
-            default_root_dir=os.path.join(os.environ.get("TMPDIR", "/tmp"), "lightning_kl_gpu_bench"),
-            callbacks=[Checked("k1", lk.AdaptiveKLController(0.1, 6.0, 100))],
-        )
-        trainer.fit(Module())
-        if "error" in outcome:
-            raise outcome["error"]
-        if not outcome.get("rewards"):
-            raise AssertionError("the callback's hook did not write `rewards` into the batch")
-
-    return call
-
-
-class _TinyLM(nn.Module):
-    """A causal-LM stand-in with a ``peft``-like adapter switch (for ``lk.hf``)."""
-
-    peft_config: dict[str, Any] = {}
-
-    def __init__(self, vocab: int = 50, dim: int = 16) -> None:
-        super().__init__()
-        self.emb, self.head = nn.Embedding(vocab, dim), nn.Linear(dim, vocab)
-
-    def forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, logits_to_keep: int = 0, use_cache: bool = False) -> Any:
-        logits = self.head(self.emb(input_ids))
-        return SimpleNamespace(logits=logits[:, -logits_to_keep:] if logits_to_keep else logits)
-
-    @contextlib.contextmanager
-    def disable_adapter(self) -> Iterator[None]:
-        yield
-
-
-def _hf_call(device: torch.device, which: str) -> Callable[[], Any]:
-    model = _TinyLM().to(device)
-    prompt_am = torch.ones(2, 3, dtype=torch.long, device=device)
-    responses = torch.randint(3, 50, (2, 5), device=device)
-    sequences = torch.cat([torch.randint(3, 50, (2, 3), device=device), responses], dim=1)
-    mask = torch.ones(2, 5, dtype=torch.bool, device=device)
-    if which == "response_mask":
-        return lambda: lk.hf.response_mask(responses, 2)
-    if which == "sequence_inputs":
-        return lambda: lk.hf.sequence_inputs(prompt_am, mask)
-    if which == "response_logits":
-        logits = torch.randn(2, 8, 50, device=device)
-        return lambda: lk.hf.response_logits(logits, 3)
-    am, _ = lk.hf.sequence_inputs(prompt_am, mask)
-    if which == "response_logprobs":
-        return lambda: lk.hf.response_logprobs(model, sequences, am, 3).sum().backward()
-    return lambda: lk.hf.reference_logprobs(model, sequences, am, 3)
-
-
-_IDS = "the id range check reads the ids' min and max on the host (ground/checks.py: check_tokens)"
-_FULL = "the full KL lists valid rows and NaN rows with nonzero() (kernels/full.py)"
-_H2D = "copies a Python number or list to the device (torch.tensor / torch.as_tensor on CUDA waits for the copy)"
-
-#: Every call checked under sync-debug: (name, public names covered, inputs, why it syncs today).
-SYNC_CALLS: list[SyncCall] = [
-    *(SyncCall(f"kl_penalty {n} (mask, seq-mean-token-sum, backward)", ("kl_penalty", "aggregate", "ESTIMATORS", "SAMPLED_ESTIMATORS"), lambda d, n=n: _sampled(d, n))
-      for n in lk.SAMPLED_ESTIMATORS),
-    SyncCall("kl_penalty k3+ old_logprob max_weight=2", ("kl_penalty",), lambda d: _sampled(d, "k3+", old=True, max_weight=2.0)),
-    SyncCall("kl_penalty k3+ level=sequence", ("kl_penalty", "LEVELS"), lambda d: _sampled(d, "k3+", level="sequence")),
-    SyncCall("kl_penalty k2 level=sequence old_logprob kl_to_go=k3", ("kl_penalty",), lambda d: _sampled(d, "k2", level="sequence", old=True, kl_to_go="k3")),
-    *(SyncCall(f"aggregate {m} (mask)", ("aggregate", "AGG_MODES"), lambda d, m=m: _aggregate(d, m, True)) for m in lk.AGG_MODES),
-    SyncCall("aggregate token-mean (no mask)", ("aggregate",), lambda d: _aggregate(d, "token-mean", False), syncs=_H2D + ": the token count"),
-    SyncCall("step_totals", ("step_totals",), lambda d: (lambda m=_estimator_inputs((4, 8), torch.float32, d)[2]: lk.step_totals([m, m[:, :4]]))),
-    SyncCall("token_logprobs", ("token_logprobs",), lambda d: _logprobs_call(d, False), syncs=_IDS),
-    SyncCall("token_logprobs ignore_index=-100", ("token_logprobs",), lambda d: _logprobs_call(d, True), syncs=_IDS + "; backward zeroes non-finite ignored rows with nonzero() (kernels/logprobs.py)"),
-    SyncCall("token_logprobs_from_hidden", ("token_logprobs_from_hidden",), _hidden_call, syncs=_IDS),
-    SyncCall("full_kl (mask)", ("full_kl",), lambda d: _full_call(d, True), syncs=_FULL),
-    SyncCall("full_kl (no mask)", ("full_kl",), lambda d: _full_call(d, False), syncs=_FULL),
-    SyncCall("full_kl_from_hidden", ("full_kl_from_hidden",), _full_hidden_call, syncs=_FULL),
-    SyncCall("kl_penalty full", ("kl_penalty",), lambda d: (lambda z=torch.randn(2, 4, 50, device=d, requires_grad=True): lk.kl_penalty(z, z.detach() + 1, "full").sum().backward()), syncs=_FULL),
-    SyncCall("KLPenaltyLoss k3+ (step_totals, accumulate_grad_batches=2)", ("KLPenaltyLoss", "step_totals", "KLMetric"), lambda d: _loss_call(d, "k3+")),
-    SyncCall("KLPenaltyLoss full FromHidden level=sequence", ("KLPenaltyLoss", "FromHidden"), lambda d: _loss_call(d, "full", from_hidden=True), syncs=_FULL + "; " + _IDS),
-    SyncCall("KLMetric update+compute (mask)", ("KLMetric",), lambda d: _metric_call(d, True)),
-    SyncCall("KLMetric update+compute (no mask)", ("KLMetric",), lambda d: _metric_call(d, False), syncs=_H2D + ": the token count (metric.py)"),
-    SyncCall("FixedKLController.update(tensors)", ("FixedKLController", "KLController"), lambda d: _controller_call(d, False)),
-    SyncCall("AdaptiveKLController.update(tensors)", ("AdaptiveKLController", "KLController"), lambda d: _controller_call(d, True)),
-    SyncCall("KLController.value (a float: reads the device by design)", ("KLController",), _controller_read, syncs="a Python float of a device tensor, by design (checkpoints, every log_every_n_steps)"),
-    SyncCall("KLRewardCallback.shape_rewards + update_controller (per-sequence scores)", ("KLRewardCallback",), _shape_rewards_call),
-    SyncCall("KLRewardCallback.on_train_batch_start in a Trainer", ("KLRewardCallback",), _callback_call, guards_itself=True),
-    SyncCall("hf.response_mask", ("hf.response_mask",), lambda d: _hf_call(d, "response_mask"), syncs=_H2D + ": the EOS ids (hf.py: _eos_hits)"),
-    SyncCall("hf.sequence_inputs", ("hf.sequence_inputs",), lambda d: _hf_call(d, "sequence_inputs")),
-    SyncCall("hf.response_logits", ("hf.response_logits",), lambda d: _hf_call(d, "response_logits")),
-    SyncCall("hf.response_logprobs (tiny LM, backward)", ("hf.response_logprobs",), lambda d: _hf_call(d, "response_logprobs"), syncs=_IDS + " (through token_logprobs)"),
-    SyncCall("hf.reference_logprobs (adapters off)", ("hf.reference_logprobs", "hf.adapters_disabled"), lambda d: _hf_call(d, "reference_logprobs"), syncs=_IDS + " (through token_logprobs)"),
-]
-
-#: Public names with no device work to check, and why.
-HOST_ONLY: dict[str, str] = {
-    "BASE_ESTIMATORS": "a tuple of names",
-    "EstimatorSpec": "a parsed name (host data)",
-    "parse_estimator": "parses a name on the host",
-    "OnPolicyRollouts": "an iterable that calls the user's sampler; no tensor work of its own",
-    "hf": "the module; its functions are listed one by one",
-}
-
-
-def coverage() -> dict[str, list[str]]:
-    """Public names that no call covers (``missing``) and names listed that are not public (``stale``)."""
-    public = set(lk.__all__) | {f"hf.{n}" for n in lk.hf.__all__}
-    listed = {n for c in SYNC_CALLS for n in c.covers} | set(HOST_ONLY)
-    return {"missing": sorted(public - listed), "stale": sorted(listed - public)}
+# the sync-debug list (its calls: _gpu_sync.py)
 
 
 def run_sync_debug(device: torch.device, report: "Report", watchdog: "Watchdog") -> None:
@@ -907,39 +622,9 @@ def run_sync_debug(device: torch.device, report: "Report", watchdog: "Watchdog")
     for i, call in enumerate(SYNC_CALLS, 1):
         row: dict[str, Any] = {"name": call.name, "expected": call.syncs}
         with watchdog.watching(f"sync-debug {call.name}"):
-            _check_sync(call, device, row, checks)
+            check_sync(call, device, row, checks)
         report.add_sync(row)
         print(f"[sync {i}/{len(SYNC_CALLS)}] {call.name}: {row['status']}" + (f" {row['reason']}" if row["status"] == "ERROR" else ""), flush=True)
-
-
-def _check_sync(call: SyncCall, device: torch.device, row: dict[str, Any], checks: bool) -> None:
-    """Run ``call`` under sync-debug; fill ``row`` with its status (and where it synchronized)."""
-    synced = False
-    try:
-        fn = call.make(device)
-        if checks:
-            torch.cuda.synchronize(device)  # the inputs' work is not the call's
-        if call.guards_itself:
-            fn()
-        else:
-            with sync_debug(device):
-                fn()
-        if checks:
-            torch.cuda.synchronize(device)
-    except Exception as e:
-        if not _is_sync_error(e):
-            row.update(status="ERROR", reason=f"{type(e).__name__}: {e}"[:300], traceback=traceback.format_exc(limit=6))
-            return
-        synced = True
-        row["where"] = "".join(traceback.format_exception_only(type(e), e)).strip()[:300]
-        row["traceback"] = traceback.format_exc(limit=8)
-    if not checks:
-        status = "ran (sync-debug needs CUDA)"
-    elif synced:
-        status = "sync (expected)" if call.syncs else "SYNC (unexpected)"
-    else:
-        status = "no sync (marked as expected: update the mark)" if call.syncs else "no sync"
-    row["status"] = status
 
 
 # ---------------------------------------------------------------------------------------------

@@ -212,3 +212,10 @@ def test_oom_and_anchor_errors_are_reported_and_the_run_goes_on(tmp_path):
     rows = json.loads((tmp_path / "gpu.json").read_text())["cases"]
     assert [r["status"] for r in rows] == ["oom", "error", "ok"]
     assert "9.00 GiB" in rows[0]["reason"] and "TypeError" in rows[1]["reason"]
+
+
+def test_without_cuda_the_gpu_run_refuses_and_points_to_smoke(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu.main(["--out", str(tmp_path)]) == 2
+    assert "--smoke" in capsys.readouterr().err
+    assert not (tmp_path / "gpu.json").exists()
