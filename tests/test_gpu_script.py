@@ -70,6 +70,17 @@ def test_smoke_run_writes_every_case_and_every_sync_call(smoke):
     assert f"[{len(cases)}/{len(cases)}" in stdout  # progress printed
 
 
+def test_the_table_can_be_written_again_from_the_json_of_a_run(smoke, tmp_path):
+    data, md, _ = smoke
+    (tmp_path / "run.json").write_text(json.dumps(data))
+    assert gpu.main(["--from-json", str(tmp_path / "run.json"), "--out", str(tmp_path / "again")]) == 0
+    assert (tmp_path / "again" / "gpu.md").read_text() == md
+    data = {k: v for k, v in data.items() if k != "elapsed_s"}  # a run cut short: the JSON after its last case
+    (tmp_path / "cut.json").write_text(json.dumps(data))
+    assert gpu.main(["--from-json", str(tmp_path / "cut.json"), "--out", str(tmp_path / "cut")]) == 0
+    assert "The run did not finish." in (tmp_path / "cut" / "gpu.md").read_text()
+
+
 def test_smoke_rows_agree_with_the_librarys_value(smoke):
     """Every anchor row that ran computed the same forward value as the library, on the same inputs."""
     data, _, _ = smoke
