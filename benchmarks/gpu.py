@@ -41,8 +41,9 @@ It installs nothing. What it does, printing progress as it goes:
    are the same, seeded), so a wrong number on CUDA shows up next to its timing.
 
 **Budget.** CUDA kernels cannot be interrupted from Python, so a case is never stopped midway;
-instead (a) a case is skipped, and reported, when its time predicted from the previous size of the
-same series (linear in the tokens) exceeds ``--case-budget`` or what is left of ``--budget``; (b)
+instead (a) a case is skipped, and reported, when two iterations (a warm-up and one timed), predicted
+from the previous size of the same series (linear in the tokens), would overrun ``--case-budget`` or
+what is left of ``--budget``; (b)
 its first (warm-up) iteration is timed alone, and the case stops there, reported, if that iteration
 alone overran the case budget; (c) the timed repetitions stop when the next one would overrun;
 (d) a watchdog thread, which cannot interrupt a kernel either, ends the whole process
@@ -539,7 +540,7 @@ class Watchdog:
 
 
 def run_cases(cases: list[Case], dev: Device, budget: Budget, max_reps: int, report: "Report", watchdog: Watchdog) -> None:
-    last: dict[tuple[str, str, str, str], tuple[int, float]] = {}  # series -> (tokens, first iteration s)
+    last: dict[tuple[str, str, str, str], tuple[int, float]] = {}  # series -> (tokens, seconds per iteration)
     references: dict[tuple[str, str, str, str], Tensor] = {}
     for i, case in enumerate(cases, 1):
         row: dict[str, Any] = {
@@ -569,11 +570,11 @@ def _skip_reason(case: Case, dev: Device, budget: Budget, last: dict[tuple[str, 
     if budget.left() <= 0:
         return "the total budget is spent"
     if case.series in last:
-        tokens, first = last[case.series]
-        predicted = first * case.tokens / tokens
-        if predicted > budget.case_s:
-            return f"predicted {predicted:.1f} s per iteration (from {tokens} tokens) > the case budget {budget.case_s:.0f} s"
-        if predicted > budget.left():
+        tokens, seconds = last[case.series]
+        predicted = seconds * case.tokens / tokens
+        if 2 * predicted > budget.case_s:  # a warm-up and one timed iteration at least
+            return f"predicted {predicted:.1f} s per iteration (from {tokens} tokens): two would overrun the case budget {budget.case_s:.0f} s"
+        if 2 * predicted > budget.left():
             return f"predicted {predicted:.1f} s per iteration > the {budget.left():.0f} s left"
     return ""
 
@@ -599,7 +600,9 @@ def _run_case(
         del step, clear
         dev.free()
     if m.first_s is not None:
-        last[case.series] = (case.tokens, m.first_s)
+        # the timed median when there is one: the warm-up also paid one-time costs (Triton's
+        # autotuning, cuBLAS) that the next size does not pay again
+        last[case.series] = (case.tokens, m.ms / 1e3 if m.ms is not None else m.first_s)
     out: dict[str, Any] = {"status": m.status, "reason": m.reason, "ms": m.ms, "ms_all": m.ms_all, "first_s": m.first_s, "peak_mib": m.peak_mib}
     if m.value is not None:
         if case.reference:

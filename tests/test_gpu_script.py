@@ -189,7 +189,9 @@ def test_a_case_predicted_to_overrun_is_skipped_before_it_starts():
     last = {case.series: (4096, 2.0)}  # 2 s at 4096 tokens: 8 s predicted at 16384
     reason = gpu._skip_reason(case, gpu.Device(torch.device("cpu")), budget, last)
     assert "predicted 8.0 s" in reason
-    assert gpu._skip_reason(case, gpu.Device(torch.device("cpu")), budget, {case.series: (4096, 1.0)}) == ""
+    # 0.5 s at 4096: 2 s predicted, a warm-up and a timed iteration fit in 5 s
+    assert gpu._skip_reason(case, gpu.Device(torch.device("cpu")), budget, {case.series: (4096, 0.5)}) == ""
+    assert "predicted 3.2 s" in gpu._skip_reason(case, gpu.Device(torch.device("cpu")), budget, {case.series: (4096, 0.8)})
     spent = gpu.Budget(total_s=0.0, case_s=5.0)
     assert "total budget" in gpu._skip_reason(case, gpu.Device(torch.device("cpu")), spent, {})
 
