@@ -42,20 +42,47 @@ class SyncCall:
     make: Callable[[torch.device], Callable[[], Any]]  # builds the inputs; returns the call to check
     syncs: Optional[str] = None  # why it is expected to synchronize today; None: it should not
     guards_itself: bool = False  # the call wraps its own checked region (a Trainer around a hook)
+    copy: bool = False  # the expected sync is a copy to the device: only CUDA sees it, not the CPU check
+
+
+#: On CPU, the ways Python code reads a tensor's value on the host: each one is a sync on CUDA.
+HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "nonzero", "cpu", "numpy")
 
 
 @contextlib.contextmanager
 def sync_debug(device: torch.device) -> Iterator[None]:
-    """``torch.cuda.set_sync_debug_mode("error")`` on CUDA (restored after); nothing on CPU."""
-    if device.type != "cuda":
-        yield
+    """Make a host synchronization raise (a ``RuntimeError`` that says so), restored after.
+
+    On CUDA: ``torch.cuda.set_sync_debug_mode("error")``, which sees every synchronization. On CPU,
+    where nothing waits, an approximation: the Python-level host reads of :data:`HOST_READS` raise
+    (not a read inside a torch op, such as boolean-mask indexing, nor a copy to the device).
+    """
+    if device.type == "cuda":
+        before = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode(before)
         return
-    before = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
+    saved = {name: getattr(Tensor, name) for name in HOST_READS}
+    saved_nonzero = torch.nonzero
+
+    def refuse(name: str) -> Callable[..., Any]:
+        def read(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError(f"{name}: a host read of a tensor's value (synchronizing on CUDA)")
+
+        return read
+
     try:
+        for name in HOST_READS:
+            setattr(Tensor, name, refuse(f"Tensor.{name}"))
+        torch.nonzero = refuse("torch.nonzero")
         yield
     finally:
-        torch.cuda.set_sync_debug_mode(before)
+        for name, method in saved.items():
+            setattr(Tensor, name, method)
+        torch.nonzero = saved_nonzero
 
 
 def _is_sync_error(e: BaseException) -> bool:
@@ -268,7 +295,7 @@ SYNC_CALLS: list[SyncCall] = [
     SyncCall("kl_penalty k3+ level=sequence", ("kl_penalty", "LEVELS"), lambda d: _sampled(d, "k3+", level="sequence")),
     SyncCall("kl_penalty k2 level=sequence old_logprob kl_to_go=k3", ("kl_penalty",), lambda d: _sampled(d, "k2", level="sequence", old=True, kl_to_go="k3")),
     *(SyncCall(f"aggregate {m} (mask)", ("aggregate", "AGG_MODES"), lambda d, m=m: _aggregate(d, m, True)) for m in lk.AGG_MODES),
-    SyncCall("aggregate token-mean (no mask)", ("aggregate",), lambda d: _aggregate(d, "token-mean", False), syncs=_H2D + ": the token count"),
+    SyncCall("aggregate token-mean (no mask)", ("aggregate",), lambda d: _aggregate(d, "token-mean", False), syncs=_H2D + ": the token count", copy=True),
     SyncCall("step_totals", ("step_totals",), lambda d: (lambda m=sampled_inputs((4, 8), torch.float32, d)[2]: lk.step_totals([m, m[:, :4]]))),
     SyncCall("token_logprobs", ("token_logprobs",), lambda d: _logprobs_call(d, False), syncs=_IDS),
     SyncCall("token_logprobs ignore_index=-100", ("token_logprobs",), lambda d: _logprobs_call(d, True), syncs=_IDS + "; backward zeroes non-finite ignored rows with nonzero() (kernels/logprobs.py)"),
@@ -280,13 +307,13 @@ SYNC_CALLS: list[SyncCall] = [
     SyncCall("KLPenaltyLoss k3+ (step_totals, accumulate_grad_batches=2)", ("KLPenaltyLoss", "step_totals", "KLMetric"), lambda d: _loss_call(d, "k3+")),
     SyncCall("KLPenaltyLoss full FromHidden level=sequence", ("KLPenaltyLoss", "FromHidden"), lambda d: _loss_call(d, "full", from_hidden=True), syncs=_FULL + "; " + _IDS),
     SyncCall("KLMetric update+compute (mask)", ("KLMetric",), lambda d: _metric_call(d, True)),
-    SyncCall("KLMetric update+compute (no mask)", ("KLMetric",), lambda d: _metric_call(d, False), syncs=_H2D + ": the token count (metric.py)"),
+    SyncCall("KLMetric update+compute (no mask)", ("KLMetric",), lambda d: _metric_call(d, False), syncs=_H2D + ": the token count (metric.py)", copy=True),
     SyncCall("FixedKLController.update(tensors)", ("FixedKLController", "KLController"), lambda d: _controller_call(d, False)),
     SyncCall("AdaptiveKLController.update(tensors)", ("AdaptiveKLController", "KLController"), lambda d: _controller_call(d, True)),
     SyncCall("KLController.value (a float: reads the device by design)", ("KLController",), _controller_read, syncs="a Python float of a device tensor, by design (checkpoints, every log_every_n_steps)"),
     SyncCall("KLRewardCallback.shape_rewards + update_controller (per-sequence scores)", ("KLRewardCallback",), _shape_rewards_call),
     SyncCall("KLRewardCallback.on_train_batch_start in a Trainer", ("KLRewardCallback",), _callback_call, guards_itself=True),
-    SyncCall("hf.response_mask", ("hf.response_mask",), lambda d: _hf_call(d, "response_mask"), syncs=_H2D + ": the EOS ids (hf.py: _eos_hits)"),
+    SyncCall("hf.response_mask", ("hf.response_mask",), lambda d: _hf_call(d, "response_mask"), syncs=_H2D + ": the EOS ids (hf.py: _eos_hits)", copy=True),
     SyncCall("hf.sequence_inputs", ("hf.sequence_inputs",), lambda d: _hf_call(d, "sequence_inputs")),
     SyncCall("hf.response_logits", ("hf.response_logits",), lambda d: _hf_call(d, "response_logits")),
     SyncCall("hf.response_logprobs (tiny LM, backward)", ("hf.response_logprobs",), lambda d: _hf_call(d, "response_logprobs"), syncs=_IDS + " (through token_logprobs)"),
@@ -310,19 +337,25 @@ def coverage() -> dict[str, list[str]]:
     return {"missing": sorted(public - listed), "stale": sorted(listed - public)}
 
 
-def check_sync(call: SyncCall, device: torch.device, row: dict[str, Any], checks: bool) -> None:
-    """Run ``call`` under sync-debug; fill ``row`` with its status (and where it synchronized)."""
+def check_sync(call: SyncCall, device: torch.device, row: dict[str, Any]) -> None:
+    """Run ``call`` under :func:`sync_debug`; fill ``row`` with its status (and where it synchronized).
+
+    Statuses on CUDA: ``no sync``, ``sync (expected)``, ``SYNC (unexpected)``, ``no sync (marked as
+    expected: update the mark)``. On CPU the same with "host read" for "sync", and ``no host read
+    (a copy to the device: CUDA only)`` for an expected sync that the CPU check cannot see.
+    """
+    cuda = device.type == "cuda"
     synced = False
     try:
         fn = call.make(device)
-        if checks:
+        if cuda:
             torch.cuda.synchronize(device)  # the inputs' work is not the call's
         if call.guards_itself:
             fn()
         else:
             with sync_debug(device):
                 fn()
-        if checks:
+        if cuda:
             torch.cuda.synchronize(device)
     except Exception as e:
         if not _is_sync_error(e):
@@ -331,12 +364,13 @@ def check_sync(call: SyncCall, device: torch.device, row: dict[str, Any], checks
         synced = True
         row["where"] = "".join(traceback.format_exception_only(type(e), e)).strip()[:300]
         row["traceback"] = traceback.format_exc(limit=8)
-    if not checks:
-        status = "ran (sync-debug needs CUDA)"
-    elif synced:
-        status = "sync (expected)" if call.syncs else "SYNC (unexpected)"
+    word = "sync" if cuda else "host read"
+    if synced:
+        status = f"{word} (expected)" if call.syncs else f"{word.upper()} (unexpected)"
+    elif call.syncs and call.copy and not cuda:
+        status = "no host read (a copy to the device: CUDA only)"
     else:
-        status = "no sync (marked as expected: update the mark)" if call.syncs else "no sync"
+        status = f"no {word} (marked as expected: update the mark)" if call.syncs else f"no {word}"
     row["status"] = status
 
 

@@ -61,7 +61,14 @@ def test_smoke_run_writes_every_case_and_every_sync_call(smoke):
     # the sync-debug list: every call ran on CPU, and every public name is covered
     assert data["coverage"] == {"missing": [], "stale": []}
     assert [s["name"] for s in data["sync_debug"]] == [c.name for c in gpu.SYNC_CALLS]
-    assert {s["status"] for s in data["sync_debug"]} == {"ran (sync-debug needs CUDA)"}
+    # on CPU the check refuses host reads: each call read the host exactly where its mark says it does
+    for s, call in zip(data["sync_debug"], gpu.SYNC_CALLS):
+        if call.syncs is None:
+            assert s["status"] == "no host read", s
+        elif call.copy:
+            assert s["status"] == "no host read (a copy to the device: CUDA only)", s
+        else:
+            assert s["status"] == "host read (expected)" and "synchronizing on CUDA" in s["where"], s
     # the markdown: one row per case and per sync call
     for c in cases:
         assert f"| `{c['what']}` | {c['size']} | {c['dtype']} | {c['variant']} |" in md
@@ -232,3 +239,18 @@ def test_without_cuda_the_gpu_run_refuses_and_points_to_smoke(tmp_path, monkeypa
     assert gpu.main(["--out", str(tmp_path)]) == 2
     assert "--smoke" in capsys.readouterr().err
     assert not (tmp_path / "gpu.json").exists()
+
+
+def test_the_cpu_check_refuses_host_reads_and_puts_every_method_back():
+    import _gpu_sync  # benchmarks/, on the path since gpu.py was loaded
+
+    before = {name: getattr(torch.Tensor, name) for name in _gpu_sync.HOST_READS}
+    nonzero = torch.nonzero
+    for read in (lambda t: t.item(), lambda t: bool(t), lambda t: float(t), lambda t: t.nonzero(), lambda t: torch.nonzero(t), lambda t: t.tolist()):
+        with pytest.raises(RuntimeError, match="synchronizing on CUDA"):
+            with _gpu_sync.sync_debug(torch.device("cpu")):
+                read(torch.ones(()))
+    with _gpu_sync.sync_debug(torch.device("cpu")):
+        torch.ones(3).mul(2).sum()  # device work without a read is fine
+    assert {name: getattr(torch.Tensor, name) for name in _gpu_sync.HOST_READS} == before
+    assert torch.nonzero is nonzero and torch.ones(()).item() == 1.0
