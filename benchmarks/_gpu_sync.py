@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 import lightning_kl as lk
+import lightning_kl.ground.checks as ground_checks
 
 
 def seeded(device: torch.device, seed: int) -> torch.Generator:
@@ -55,7 +56,9 @@ def sync_debug(device: torch.device) -> Iterator[None]:
 
     On CUDA: ``torch.cuda.set_sync_debug_mode("error")``, which sees every synchronization. On CPU,
     where nothing waits, an approximation: the Python-level host reads of :data:`HOST_READS` raise
-    (not a read inside a torch op, such as boolean-mask indexing, nor a copy to the device).
+    (not a read inside a torch op, such as boolean-mask indexing, nor a copy to the device). Where
+    the package keeps host reads for the CPU only (a ``HOST_READ_DEVICES`` set in
+    ``lightning_kl.ground.checks``), it is emptied meanwhile, so that the CPU runs the device form.
     """
     if device.type == "cuda":
         before = torch.cuda.get_sync_debug_mode()
@@ -67,6 +70,7 @@ def sync_debug(device: torch.device) -> Iterator[None]:
         return
     saved = {name: getattr(Tensor, name) for name in HOST_READS}
     saved_nonzero = torch.nonzero
+    saved_devices = getattr(ground_checks, "HOST_READ_DEVICES", None)
 
     def refuse(name: str) -> Callable[..., Any]:
         def read(*args: Any, **kwargs: Any) -> Any:
@@ -78,11 +82,15 @@ def sync_debug(device: torch.device) -> Iterator[None]:
         for name in HOST_READS:
             setattr(Tensor, name, refuse(f"Tensor.{name}"))
         torch.nonzero = refuse("torch.nonzero")
+        if saved_devices is not None:
+            ground_checks.HOST_READ_DEVICES = frozenset()
         yield
     finally:
         for name, method in saved.items():
             setattr(Tensor, name, method)
         torch.nonzero = saved_nonzero
+        if saved_devices is not None:
+            ground_checks.HOST_READ_DEVICES = saved_devices
 
 
 def _is_sync_error(e: BaseException) -> bool:
