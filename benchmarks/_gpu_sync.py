@@ -43,7 +43,21 @@ class SyncCall:
     make: Callable[[torch.device], Callable[[], Any]]  # builds the inputs; returns the call to check
     syncs: Optional[str] = None  # why it is expected to synchronize today; None: it should not
     guards_itself: bool = False  # the call wraps its own checked region (a Trainer around a hook)
-    copy: bool = False  # the expected sync is a copy to the device: only CUDA sees it, not the CPU check
+    kind: str = "read"  # of the expected sync: "read" (the package reads a value on the host where it
+    # allows itself to, see package_reads), "copy" (a copy to the device: only CUDA sees it), "design"
+
+
+def package_reads(device: torch.device) -> bool:
+    """Whether the package reads tensor values on the host per call on ``device``, as checked here.
+
+    Where the package has a switch for it (``HOST_READ_DEVICES`` in ``lightning_kl.ground.checks``:
+    the device types on which it allows itself host reads), the switch says, except on CPU, where
+    the check runs the device form (:func:`sync_debug`). Without one it reads wherever it reads.
+    """
+    devices = getattr(ground_checks, "HOST_READ_DEVICES", None)
+    if devices is None:
+        return True
+    return device.type != "cpu" and device.type in devices
 
 
 #: On CPU, the ways Python code reads a tensor's value on the host: each one is a sync on CUDA.
@@ -303,7 +317,7 @@ SYNC_CALLS: list[SyncCall] = [
     SyncCall("kl_penalty k3+ level=sequence", ("kl_penalty", "LEVELS"), lambda d: _sampled(d, "k3+", level="sequence")),
     SyncCall("kl_penalty k2 level=sequence old_logprob kl_to_go=k3", ("kl_penalty",), lambda d: _sampled(d, "k2", level="sequence", old=True, kl_to_go="k3")),
     *(SyncCall(f"aggregate {m} (mask)", ("aggregate", "AGG_MODES"), lambda d, m=m: _aggregate(d, m, True)) for m in lk.AGG_MODES),
-    SyncCall("aggregate token-mean (no mask)", ("aggregate",), lambda d: _aggregate(d, "token-mean", False), syncs=_H2D + ": the token count", copy=True),
+    SyncCall("aggregate token-mean (no mask)", ("aggregate",), lambda d: _aggregate(d, "token-mean", False), syncs=_H2D + ": the token count", kind="copy"),
     SyncCall("step_totals", ("step_totals",), lambda d: (lambda m=sampled_inputs((4, 8), torch.float32, d)[2]: lk.step_totals([m, m[:, :4]]))),
     SyncCall("token_logprobs", ("token_logprobs",), lambda d: _logprobs_call(d, False), syncs=_IDS),
     SyncCall("token_logprobs ignore_index=-100", ("token_logprobs",), lambda d: _logprobs_call(d, True), syncs=_IDS + "; backward zeroes non-finite ignored rows with nonzero() (kernels/logprobs.py)"),
@@ -315,13 +329,13 @@ SYNC_CALLS: list[SyncCall] = [
     SyncCall("KLPenaltyLoss k3+ (step_totals, accumulate_grad_batches=2)", ("KLPenaltyLoss", "step_totals", "KLMetric"), lambda d: _loss_call(d, "k3+")),
     SyncCall("KLPenaltyLoss full FromHidden level=sequence", ("KLPenaltyLoss", "FromHidden"), lambda d: _loss_call(d, "full", from_hidden=True), syncs=_FULL + "; " + _IDS),
     SyncCall("KLMetric update+compute (mask)", ("KLMetric",), lambda d: _metric_call(d, True)),
-    SyncCall("KLMetric update+compute (no mask)", ("KLMetric",), lambda d: _metric_call(d, False), syncs=_H2D + ": the token count (metric.py)", copy=True),
+    SyncCall("KLMetric update+compute (no mask)", ("KLMetric",), lambda d: _metric_call(d, False), syncs=_H2D + ": the token count (metric.py)", kind="copy"),
     SyncCall("FixedKLController.update(tensors)", ("FixedKLController", "KLController"), lambda d: _controller_call(d, False)),
     SyncCall("AdaptiveKLController.update(tensors)", ("AdaptiveKLController", "KLController"), lambda d: _controller_call(d, True)),
-    SyncCall("KLController.value (a float: reads the device by design)", ("KLController",), _controller_read, syncs="a Python float of a device tensor, by design (checkpoints, every log_every_n_steps)"),
+    SyncCall("KLController.value (a float: reads the device by design)", ("KLController",), _controller_read, syncs="a Python float of a device tensor, by design (checkpoints, every log_every_n_steps)", kind="design"),
     SyncCall("KLRewardCallback.shape_rewards + update_controller (per-sequence scores)", ("KLRewardCallback",), _shape_rewards_call),
     SyncCall("KLRewardCallback.on_train_batch_start in a Trainer", ("KLRewardCallback",), _callback_call, guards_itself=True),
-    SyncCall("hf.response_mask", ("hf.response_mask",), lambda d: _hf_call(d, "response_mask"), syncs=_H2D + ": the EOS ids (hf.py: _eos_hits)", copy=True),
+    SyncCall("hf.response_mask", ("hf.response_mask",), lambda d: _hf_call(d, "response_mask"), syncs=_H2D + ": the EOS ids (hf.py: _eos_hits)", kind="copy"),
     SyncCall("hf.sequence_inputs", ("hf.sequence_inputs",), lambda d: _hf_call(d, "sequence_inputs")),
     SyncCall("hf.response_logits", ("hf.response_logits",), lambda d: _hf_call(d, "response_logits")),
     SyncCall("hf.response_logprobs (tiny LM, backward)", ("hf.response_logprobs",), lambda d: _hf_call(d, "response_logprobs"), syncs=_IDS + " (through token_logprobs)"),
@@ -373,12 +387,14 @@ def check_sync(call: SyncCall, device: torch.device, row: dict[str, Any]) -> Non
         row["where"] = "".join(traceback.format_exception_only(type(e), e)).strip()[:300]
         row["traceback"] = traceback.format_exc(limit=8)
     word = "sync" if cuda else "host read"
+    expected = call.syncs is not None and (call.kind != "read" or package_reads(device))
+    row["expected"] = call.syncs if expected else None
     if synced:
-        status = f"{word} (expected)" if call.syncs else f"{word.upper()} (unexpected)"
-    elif call.syncs and call.copy and not cuda:
+        status = f"{word} (expected)" if expected else f"{word.upper()} (unexpected)"
+    elif expected and call.kind == "copy" and not cuda:
         status = "no host read (a copy to the device: CUDA only)"
     else:
-        status = f"no {word} (marked as expected: update the mark)" if call.syncs else f"no {word}"
+        status = f"no {word} (marked as expected: update the mark)" if expected else f"no {word}"
     row["status"] = status
 
 

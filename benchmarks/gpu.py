@@ -89,7 +89,7 @@ import lightning_kl as lk  # noqa: E402
 from lightning_kl.kernels import fused  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder: the sync-debug list
-from _gpu_sync import HOST_ONLY, SYNC_CALLS, SyncCall, check_sync, coverage, sampled_inputs, seeded  # noqa: E402,F401
+from _gpu_sync import HOST_ONLY, SYNC_CALLS, SyncCall, check_sync, coverage, package_reads, sampled_inputs, seeded  # noqa: E402,F401
 
 VOCAB = 151_936  # Qwen2.5's vocabulary
 DIM = 1536  # Qwen2.5-1.5B's hidden size (its head is [151936, 1536])
