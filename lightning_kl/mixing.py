@@ -78,6 +78,15 @@ def mix_(reference: Tensor, policy: Tensor, alpha: float) -> Tensor:
     return reference
 
 
+def _reshard(*modules: nn.Module) -> None:
+    # FSDP2 leaves a module that ran forward without backward (the reference, the root) unsharded:
+    # its registered parameters are then full tensors. Back to the shards, where the refresh is local
+    for module in modules:
+        for m in module.modules():
+            if callable(getattr(m, "reshard", None)) and callable(getattr(m, "unshard", None)):
+                m.reshard()
+
+
 def _pairs(reference: nn.Module, policy: nn.Module, buffers: bool) -> Iterator[tuple[str, Tensor, Tensor]]:
     ref = dict(reference.named_parameters())
     pol = dict(policy.named_parameters())
@@ -102,6 +111,7 @@ def check_mixable(reference: nn.Module, policy: nn.Module, buffers: bool = True)
     """
     if reference is policy:
         raise ValueError("the reference and the policy are one module: nothing to refresh (use reference=None for adapters).")
+    _reshard(reference, policy)
     n = 0
     for name, r, p in _pairs(reference, policy, buffers):
         if (hasattr(r, "placements"), getattr(r, "placements", None)) != (hasattr(p, "placements"), getattr(p, "placements", None)):

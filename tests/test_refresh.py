@@ -348,3 +348,22 @@ def test_state_key_and_pickle() -> None:
     a.refreshes, a.steps_above = 2, 1
     c = pickle.loads(pickle.dumps(a))
     assert c.state_dict() == a.state_dict() and (c.alpha, c.every_n_steps) == (1.0, 3)
+
+
+# ---------------------------------------------------------------------------------------------
+# two processes
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_every_rank_holds_the_same_reference_after_refreshes(tmp_path: Path, mode: str) -> None:
+    from _ddp import run_ddp_worker
+
+    records = run_ddp_worker(Path(__file__).with_name("_refresh_ddp_worker.py"), tmp_path, mode)
+    # the ranks logged 2.0 / 0.0 at steps 1 and 3: their mean 1.0 > 0.5 refreshes both ranks there
+    assert [r["last_steps"] for r in records] == [[1, 1, 3]] * 2
+    assert records[0]["policy"] == records[1]["policy"]  # the ranks trained one policy on different data
+    assert records[0]["ref"] == records[1]["ref"]  # and hold one reference, exactly
+    assert records[0]["ref"] != records[0]["policy"]  # alpha = 0.5: a mix, not a copy
+    assert max(r["ema_error"] for r in records) < 1e-6  # the formula's float64 maths, from the start
+    if mode == "fsdp2":  # each rank mixed its own shards
+        assert set(records[0]["sharded"]) == {"DTensor"}
