@@ -177,7 +177,7 @@ class ReferenceRefresh(Callback):
         self.last_step = -1
         self.steps_above = 0
         self.initial_coefs: dict[str, float] = {}
-        self._seen_step = -1
+        self._seen_step = 0
 
     @property
     @override
@@ -259,11 +259,13 @@ class ReferenceRefresh(Callback):
     def on_train_batch_end(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        step = trainer.global_step
-        if step == self._seen_step:
+        step, previous = trainer.global_step, self._seen_step
+        if step == previous:
             return  # no optimizer step in this batch (gradient accumulation)
         self._seen_step = step
-        due = self.every_n_steps is not None and step % self.every_n_steps == 0
+        # a multiple of n crossed since the last batch (a manual-optimization batch may take several steps)
+        n = self.every_n_steps
+        due = n is not None and step // n > previous // n
         if self.kl_threshold is not None:
             due = self.kl_triggers(self._read_kl(trainer, pl_module)) or due
         if due:

@@ -188,6 +188,25 @@ def test_steps_count_optimizer_steps_under_accumulation_and_epochs_trigger_too(t
     assert all(torch.equal(module.ref.state_dict()[k], v) for k, v in module.policy.state_dict().items())
 
 
+def test_every_n_steps_counts_the_steps_of_a_manual_optimization_batch(tmp_path: Path) -> None:
+    class ThreeSteps(PolicyAndRef):
+        def __init__(self, steps: int) -> None:
+            super().__init__(steps)
+            self.automatic_optimization = False
+
+        def training_step(self, tokens: Tensor, batch_idx: int) -> None:
+            opt = self.optimizers()
+            for _ in range(3):  # PPO-style: several optimizer steps on one rollout batch
+                opt.zero_grad()
+                self.manual_backward(super().training_step(tokens, batch_idx))
+                opt.step()
+
+    module, rec = ThreeSteps(steps=3), Recorder()
+    fit(tmp_path, module, lk.ReferenceRefresh(every_n_steps=4), rec)
+    # steps 3, 6, 9 after the batches: multiples of 4 are crossed in batches 2 (4) and 3 (8); `step % 4 == 0` never holds
+    assert [(r["step"], r["refreshes"], r["last_step"]) for r in rec.rows] == [(3, 0, -1), (6, 1, 6), (9, 2, 9)]
+
+
 KL_LOG = [0.5, 2.0, 2.0, 0.5, 2.0, float("nan"), 2.0, 2.0, 2.0, 2.0]
 
 
