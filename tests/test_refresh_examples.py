@@ -1,0 +1,51 @@
+"""The example configs with a reference refresh: they parse into the documented callback and refresh.
+
+The toy configs run a few tiny rollouts (EMA every 10 steps: one refresh in 10 rollouts; hard reset:
+a refresh at step 50 would need 50, so its run is cut at 2 and only the parsed callback is checked);
+the Hugging Face configs are parsed without training (``main(run=False)``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import lightning_kl as lk
+from test_example import QUIET, TINY_ARGS, _params, cache_dir, one_thread, toy  # noqa: F401  (fixtures)
+
+pytestmark = pytest.mark.filterwarnings("ignore:Your `IterableDataset` has `__len__` defined")
+CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "configs"
+
+
+def _refresh(trainer) -> lk.ReferenceRefresh:
+    (cb,) = [cb for cb in trainer.callbacks if isinstance(cb, lk.ReferenceRefresh)]
+    return cb
+
+
+@pytest.mark.parametrize(("name", "alpha", "every", "rollouts"), [("hard", 1.0, 50, 2), ("ema", 0.2, 10, 10)])
+def test_toy_refresh_configs(tmp_path: Path, cache_dir: str, name: str, alpha: float, every: int, rollouts: int) -> None:
+    cli = toy.main(
+        ["fit", "--config", str(CONFIGS / f"grpo_k3plus_refresh_{name}.yaml"), "--trainer.logger=false",
+         f"--trainer.default_root_dir={tmp_path}", f"--model.cache_dir={cache_dir}", f"--data.rollouts={rollouts}",
+         *TINY_ARGS, *QUIET]
+    )
+    refresh = _refresh(cli.trainer)
+    assert (refresh.alpha, refresh.every_n_steps, refresh.policy, refresh.reference) == (alpha, every, "policy", "ref")
+    assert refresh.reset_optimizer == (name == "hard")
+    assert refresh.refreshes == rollouts // every and cli.trainer.global_step == rollouts
+    if name == "ema":  # one refresh, at the last step: the reference moved toward the policy
+        assert not torch.equal(_params(cli.model.ref), _params(cli.model.policy))
+        assert cli.trainer.callback_metrics["ref/last_step"] == 10
+
+
+@pytest.mark.parametrize(("name", "alpha", "every"), [("hard", 1.0, 100), ("ema", 0.2, 20)])
+def test_hf_refresh_configs_parse_into_a_lora_refresh(name: str, alpha: float, every: int) -> None:
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    from test_hf import ex
+
+    cli = ex.main(["--config", str(CONFIGS / f"hf_grpo_lora_refresh_{name}.yaml")], run=False)
+    refresh = _refresh(cli.trainer)
+    assert (refresh.alpha, refresh.every_n_steps, refresh.policy, refresh.reference) == (alpha, every, "policy", None)
