@@ -45,14 +45,17 @@ class ReferenceRefresh(Callback):
 
     **When.** Every ``every_n_steps`` optimizer steps (``trainer.global_step``), every
     ``every_n_epochs`` epochs, and/or when the KL stays above ``kl_threshold`` for ``kl_window``
-    optimizer steps in a row (nobody has to watch the run). The KL is a metric the run logs, read
-    from ``trainer.callback_metrics`` after each optimizer step, named by ``kl_metric``: the
+    optimizer steps in a row (nobody has to watch the run). Steps are counted at the end of each
+    batch that made one or more optimizer steps (gradient accumulation counts once; a manual
+    optimization batch that makes several crosses every multiple of ``every_n_steps`` it passes).
+    The KL is a metric the run logs, read from ``trainer.callback_metrics`` at those batch ends,
+    named by ``kl_metric``: the
     default ``"kl/value"`` is the global KL that :class:`~lightning_kl.KLRewardCallback` logs
     (``{log_prefix}value``; passing the callback itself says the same), or any name the
     LightningModule logs, such as ``self.log("train/kl", self.kl.metric)`` for a
     :class:`~lightning_kl.KLPenaltyLoss`'s metric. The value is averaged over processes
     (``trainer.strategy.reduce``) so every process takes the same decision; the trigger reads it on
-    the host once per optimizer step. The window restarts after each refresh.
+    the host once per batch. The window restarts after each refresh.
 
     **Which reference.** ``policy`` and ``reference`` name LightningModule attributes (dotted paths
     allowed). With a separate reference model (full fine-tuning), each parameter and floating
@@ -79,7 +82,7 @@ class ReferenceRefresh(Callback):
     must be a submodule (or part of the policy, with adapters) for a resume to restore it.
 
     Args:
-        every_n_steps: refresh after every ``n``-th optimizer step, or None.
+        every_n_steps: refresh when the optimizer step count reaches a multiple of ``n``, or None.
         alpha: the policy's share in the new reference, in ``(0, 1]``; 1.0 is a hard reset.
         policy: the LightningModule attribute holding the policy.
         reference: the attribute holding the separate reference model, or None for the policy with
