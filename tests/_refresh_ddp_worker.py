@@ -1,7 +1,7 @@
 """A 2-process run with ``lk.ReferenceRefresh`` (CPU, gloo): DDP, or FSDP2 through ``ModelParallelStrategy``.
 
-``python tests/_refresh_ddp_worker.py OUT_DIR {ddp,fsdp2}``; each rank writes ``OUT_DIR/rank{r}.json``
-with its refresh steps and its reference and policy tensors (full tensors: the FSDP2 shards are
+``python tests/_refresh_ddp_worker.py OUT_DIR`` runs both, one after the other in one launch; each rank
+writes ``OUT_DIR/rank{r}.json`` with, for each, its refresh steps and its reference and policy tensors (full tensors: the FSDP2 shards are
 gathered *after* training, for the record only). The ranks see different data, and they log
 different KLs (rank 0: 2.0 at steps 1 and 3, rank 1: 0.0), whose mean over the ranks (1.0, 0.0,
 1.0) crosses the threshold 0.5 at steps 1 and 3: a decision taken on one rank's view would refresh
@@ -47,8 +47,8 @@ def _full(t: torch.Tensor) -> list[Any]:
     return (full() if callable(full) else t).tolist()
 
 
-def main(out_dir: str, mode: str) -> None:
-    torch.set_num_threads(1)
+def fit(out_dir: str, mode: str) -> dict[str, Any]:
+    """One run under ``mode`` (``ddp`` or ``fsdp2``); this rank's record."""
     refresh = lk.ReferenceRefresh(alpha=0.5, kl_threshold=0.5, kl_window=1, kl_metric="my/kl")
     recorder = Recorder()
     if mode == "ddp":
@@ -77,11 +77,20 @@ def main(out_dir: str, mode: str) -> None:
         "policy": {k: _full(v) for k, v in module.policy.state_dict().items()},
         "sharded": [type(p).__name__ for p in module.ref.parameters()],
     }
-    with open(os.path.join(out_dir, f"rank{record['rank']}.json"), "w") as f:
-        json.dump(record, f)
+    return record
+
+
+def main(out_dir: str) -> None:
+    torch.set_num_threads(1)
+    # both runs in one launch (the second reuses the process group): one subprocess start in all
+    records = {mode: fit(out_dir, mode) for mode in ("ddp", "fsdp2")}
+    rank = records["ddp"]["rank"]
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"rank": rank, "world_size": WORLD, **records}, f)
+    # tear the gloo process group down before the interpreter exits (see _ddp_worker.py)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1])

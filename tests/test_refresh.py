@@ -373,16 +373,21 @@ def test_state_key_and_pickle() -> None:
 # two processes
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
-def test_every_rank_holds_the_same_reference_after_refreshes(tmp_path: Path, mode: str) -> None:
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     from _ddp import run_ddp_worker
 
-    records = run_ddp_worker(Path(__file__).with_name("_refresh_ddp_worker.py"), tmp_path, mode)
+    return run_ddp_worker(Path(__file__).with_name("_refresh_ddp_worker.py"), tmp_path_factory.mktemp("two_ranks"))
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_every_rank_holds_the_same_reference_after_refreshes(two_ranks: list[dict[str, Any]], mode: str) -> None:
+    records = [r[mode] for r in two_ranks]
     # the ranks logged 2.0 / 0.0 at steps 1 and 3: their mean 1.0 > 0.5 refreshes both ranks there
     assert [r["last_steps"] for r in records] == [[1, 1, 3]] * 2
     assert records[0]["policy"] == records[1]["policy"]  # the ranks trained one policy on different data
     assert records[0]["ref"] == records[1]["ref"]  # and hold one reference, exactly
     assert records[0]["ref"] != records[0]["policy"]  # alpha = 0.5: a mix, not a copy
     assert max(r["ema_error"] for r in records) < 1e-6  # the formula's float64 maths, from the start
-    if mode == "fsdp2":  # each rank mixed its own shards
-        assert set(records[0]["sharded"]) == {"DTensor"}
+    # each rank mixed its own shards under FSDP2
+    assert set(records[0]["sharded"]) == ({"DTensor"} if mode == "fsdp2" else {"Parameter"})
