@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import lightning.pytorch as pl
 import pytest
 import torch
 
@@ -49,3 +50,33 @@ def test_hf_refresh_configs_parse_into_a_lora_refresh(name: str, alpha: float, e
     cli = ex.main(["--config", str(CONFIGS / f"hf_grpo_lora_refresh_{name}.yaml")], run=False)
     refresh = _refresh(cli.trainer)
     assert (refresh.alpha, refresh.every_n_steps, refresh.policy, refresh.reference) == (alpha, every, "policy", None)
+
+
+@pytest.mark.filterwarnings("ignore:Your `IterableDataset` has `__len__` defined")
+def test_hf_hard_reset_config_makes_the_next_rollouts_reference_the_policy(tmp_path: Path, monkeypatch) -> None:
+    # the config's wiring (LoRA policy, reference = adapters off) with the period cut to 2 steps: the
+    # rollout after the reset scores its tokens with the policy and the adapters-off model alike
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    import sys
+
+    from test_hf import QUIET_CLI, TINY_ARGS as HF_TINY_ARGS, ex
+
+    monkeypatch.setattr(sys, "argv", ["hf_grpo.py"])
+    gaps: list[float] = []
+
+    class Gap(pl.Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+            gaps.append(float((batch["logprobs"] - batch["ref_logprobs"])[batch["mask"]].abs().max()))
+
+    cli = ex.main(["--config", str(CONFIGS / "hf_grpo_lora_refresh_hard.yaml"), *HF_TINY_ARGS, *QUIET_CLI,
+                   f"--model.cache_dir={tmp_path}", f"--trainer.default_root_dir={tmp_path}",
+                   "--trainer.fast_dev_run=4", "--data.rollouts=4"], run=False)
+    refresh = _refresh(cli.trainer)
+    refresh.every_n_steps = 2
+    cli.trainer.callbacks.append(Gap())
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    assert refresh.refreshes == 2 and cli.trainer.global_step == 4
+    # batch 1: B = 0 at the start; batch 2: one step away; batch 3: right after the reset at step 2
+    assert gaps[0] < 1e-6 and gaps[1] > 1e-4 and gaps[2] < 1e-5 and gaps[3] > 1e-4, gaps
+    assert all(torch.count_nonzero(p) == 0 for n, p in cli.model.policy.named_parameters() if "lora_B" in n)
