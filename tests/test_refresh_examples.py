@@ -78,5 +78,5 @@ def test_hf_hard_reset_config_makes_the_next_rollouts_reference_the_policy(tmp_p
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     assert refresh.refreshes == 2 and cli.trainer.global_step == 4
     # batch 1: B = 0 at the start; batch 2: one step away; batch 3: right after the reset at step 2
-    assert gaps[0] < 1e-6 and gaps[1] > 1e-4 and gaps[2] < 1e-5 and gaps[3] > 1e-4, gaps
+    assert gaps[0] == 0 and gaps[1] > 1e-4 and gaps[2] == 0 and gaps[3] > 1e-4, gaps  # B = 0: exactly
     assert all(torch.count_nonzero(p) == 0 for n, p in cli.model.policy.named_parameters() if "lora_B" in n)

@@ -122,6 +122,7 @@ def test_lora_hard_reset_in_a_trainer_the_next_reference_is_the_pre_reset_policy
     for pre, post, post_ref in zip(seen["pre"], seen["post"], seen["post_ref"]):
         assert_close(post, pre, rtol=0, atol=1e-5)  # the reset does not change the policy
         assert_close(post_ref, pre, rtol=0, atol=1e-5)  # the reference is the pre-reset policy
+        assert torch.equal(post_ref, post)  # B = 0: policy and reference are one function, bit for bit
     assert all(torch.count_nonzero(p) == 0 for n, p in module.policy.named_parameters() if "lora_B" in n)
     moved = [n for n, p in module.policy.named_parameters() if n in base and not torch.equal(p, base[n])]
     assert moved and all("q_proj" in n or "v_proj" in n for n in moved)  # only the adapted weights moved
