@@ -1,13 +1,14 @@
 r"""Reference refresh, measured: the same run with a fixed reference, a hard reset and an EMA.
 
-    python examples/refresh_study.py                 # both examples (~4 min on a laptop CPU)
+    python examples/refresh_study.py                 # both examples (8-10 min on a shared 2-core CPU)
     python examples/refresh_study.py --example toy   # the toy GPT only (examples/toy_rlhf.py)
 
-For each example, three runs from one seed, identical but for :class:`lightning_kl.ReferenceRefresh`:
+For each example, three or four runs from one seed, identical but for :class:`lightning_kl.ReferenceRefresh`:
 
 * ``toy`` (``examples/toy_rlhf.py``, GRPO with ``k3+`` in the loss, a separate reference model):
   ``grpo_k3plus.yaml`` (fixed reference), ``grpo_k3plus_refresh_hard.yaml`` (hard reset every 50
-  steps, Adam's state cleared) and ``grpo_k3plus_refresh_ema.yaml`` (``alpha=0.2`` every 10 steps);
+  steps, Adam's state cleared), ``grpo_k3plus_refresh_ema.yaml`` (``alpha=0.2`` every 10 steps) and
+  ``grpo_k3plus_refresh_kl.yaml`` (a hard reset when the exact KL stays above 0.4 for 20 steps);
 * ``hf`` (``examples/hf_grpo.py``, a Qwen2 with LoRA, the reference = the adapters-off model):
   ``hf_grpo_lora.yaml``, ``hf_grpo_lora_refresh_hard.yaml`` (adapters merged and restarted every
   100 steps) and ``hf_grpo_lora_refresh_ema.yaml`` (a share 0.2 folded every 20 steps).
@@ -39,6 +40,7 @@ RUNS = {  # example -> (module, reward column, hard-reset period, configs: label
         "fixed reference": "grpo_k3plus.yaml",
         "hard reset / 50": "grpo_k3plus_refresh_hard.yaml",
         "EMA 0.2 / 10": "grpo_k3plus_refresh_ema.yaml",
+        "KL > 0.4 x 20": "grpo_k3plus_refresh_kl.yaml",
     }),
     "hf": ("hf_grpo", "train/acc", 100, {
         "fixed reference": "hf_grpo_lora.yaml",
@@ -105,8 +107,9 @@ def main() -> None:
             rewards = phase_means(series[reward_key], period, n)
             kls = phase_means(series["train/kl"], period, n)
             cells = "  ".join(f"{r:.3f} / {k:.4f}" for r, k in zip(rewards, kls))
-            refreshes = series.get("ref/refreshes", [(0, 0.0)])[-1][1]
-            print(f"  {label:18s} {cells}   ({int(refreshes)} refreshes)")
+            steps = sorted({int(v) for _, v in series.get("ref/last_step", []) if v >= 0})
+            shown = ", ".join(map(str, steps)) if len(steps) <= 4 else f"{len(steps)} refreshes"
+            print(f"  {label:18s} {cells}   (refreshed at: {shown or 'none'})")
         for label, (series, memory) in results[example].items():
             extra = memory["reference"] / max(memory["policy"], 1)
             print(f"  memory {label:18s}: policy {memory['policy'] / 2**20:.3f} MiB, reference adds "

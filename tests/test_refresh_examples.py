@@ -1,7 +1,8 @@
 """The example configs with a reference refresh: they parse into the documented callback and refresh.
 
 The toy configs run a few tiny rollouts (EMA every 10 steps: one refresh in 10 rollouts; hard reset:
-a refresh at step 50 would need 50, so its run is cut at 2 and only the parsed callback is checked);
+a refresh at step 50 would need 50, and the KL trigger 20 steps above 0.4, so those runs are cut at 2
+and check the parsed callback and that the KL it reads is logged);
 the Hugging Face configs are parsed without training (``main(run=False)``).
 """
 
@@ -25,7 +26,7 @@ def _refresh(trainer) -> lk.ReferenceRefresh:
     return cb
 
 
-@pytest.mark.parametrize(("name", "alpha", "every", "rollouts"), [("hard", 1.0, 50, 2), ("ema", 0.2, 10, 10)])
+@pytest.mark.parametrize(("name", "alpha", "every", "rollouts"), [("hard", 1.0, 50, 2), ("ema", 0.2, 10, 10), ("kl", 1.0, None, 2)])
 def test_toy_refresh_configs(tmp_path: Path, cache_dir: str, name: str, alpha: float, every: int, rollouts: int) -> None:
     cli = toy.main(
         ["fit", "--config", str(CONFIGS / f"grpo_k3plus_refresh_{name}.yaml"), "--trainer.logger=false",
@@ -34,8 +35,11 @@ def test_toy_refresh_configs(tmp_path: Path, cache_dir: str, name: str, alpha: f
     )
     refresh = _refresh(cli.trainer)
     assert (refresh.alpha, refresh.every_n_steps, refresh.policy, refresh.reference) == (alpha, every, "policy", "ref")
-    assert refresh.reset_optimizer == (name == "hard")
-    assert refresh.refreshes == rollouts // every and cli.trainer.global_step == rollouts
+    assert refresh.reset_optimizer == (name != "ema")
+    assert refresh.refreshes == (rollouts // every if every else 0) and cli.trainer.global_step == rollouts
+    if name == "kl":  # read from the exact KL the module logs, every step (a missing name would stop the run)
+        assert (refresh.kl_threshold, refresh.kl_window, refresh.kl_metric) == (0.4, 20, "train/kl")
+        assert 0 <= refresh.steps_above <= rollouts
     if name == "ema":  # one refresh, at the last step: the reference moved toward the policy
         assert not torch.equal(_params(cli.model.ref), _params(cli.model.policy))
         assert cli.trainer.callback_metrics["ref/last_step"] == 10
