@@ -126,3 +126,28 @@ def test_lora_hard_reset_in_a_trainer_the_next_reference_is_the_pre_reset_policy
     assert all(torch.count_nonzero(p) == 0 for n, p in module.policy.named_parameters() if "lora_B" in n)
     moved = [n for n, p in module.policy.named_parameters() if n in base and not torch.equal(p, base[n])]
     assert moved and all("q_proj" in n or "v_proj" in n for n in moved)  # only the adapted weights moved
+
+
+def test_lora_resume_restores_the_folded_base_weights_and_the_schedule(tmp_path: Path) -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from _trainers import make_quiet_trainer
+
+    class StepData(LoRAModule):  # the data of step s whatever the loader's position (it restarts on resume)
+        def training_step(self, tokens: Tensor, batch_idx: int) -> Tensor:
+            g = torch.Generator().manual_seed(self.global_step)
+            return super().training_step(torch.randint(3, 12, (B, T), generator=g), batch_idx)
+
+    def run(root: Path, ckpt: Any = None) -> tuple[nn.Module, lk.ReferenceRefresh]:
+        module, refresh = StepData(steps=6), lk.ReferenceRefresh(every_n_steps=2, alpha=0.5, reference=None)
+        save = ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="{step}", every_n_train_steps=3, save_top_k=-1)
+        trainer = make_quiet_trainer(root, max_epochs=1, callbacks=[refresh, save], enable_checkpointing=True)
+        trainer.fit(module, ckpt_path=ckpt)
+        return module, refresh
+
+    full, first = run(tmp_path / "a")  # folds after steps 2, 4, 6; a checkpoint after step 3
+    resumed, second = run(tmp_path / "b", tmp_path / "ckpt" / "step=3.ckpt")
+    assert first.state_dict() == second.state_dict() and second.refreshes == 3 and second.last_step == 6
+    want = dict(full.policy.named_parameters())
+    for name, param in resumed.policy.named_parameters():  # base weights (folded twice after the resume) and adapters
+        assert torch.equal(param, want[name]), name
