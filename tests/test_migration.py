@@ -10,20 +10,25 @@ much, and the guide quotes those numbers.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import re
+import sys
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
 import pytest
 import torch
+import yaml
+from lightning.pytorch.cli import LightningCLI
 from torch import Tensor, nn
 from torch.testing import assert_close
 
 import lightning_kl as lk
 
-GUIDE = Path(__file__).resolve().parent.parent / "docs" / "migration.md"
+ROOT = Path(__file__).resolve().parent.parent
+GUIDE = ROOT / "docs" / "migration.md"
 
 # log-ratios from -25 to 25 (no grid point on a clamp edge: 997 points), plus a few small ones
 D = torch.cat([torch.linspace(-25.0, 25.0, 997, dtype=torch.float64), torch.tensor([-1e-3, 0.0, 1e-3, 0.3, -0.7], dtype=torch.float64)])
@@ -423,7 +428,8 @@ def test_openrlhf_kl_loss_is_our_low_var_kl_loss(token_level_loss: bool) -> None
 def test_adaptive_controllers_of_verl_and_openrlhf_are_ours() -> None:
     ctl = lk.AdaptiveKLController(init_kl_coef=0.01, target_kl=0.1, horizon=10000)
     want = 0.01
-    for current_kl, n in [(0.3, 512), (0.05, 512), (0.1, 256), (0.02, 1024), (1e-4, 64)]:
+    # clipped up, clipped down, zero error, inside the clip both ways
+    for current_kl, n in [(0.3, 512), (0.05, 512), (0.1, 256), (0.11, 2048), (0.095, 1024), (1e-4, 64)]:
         ctl.update(current_kl, n_steps=n)
         want = verl_adaptive_reference(want, current_kl, n, 0.1, 10000)
         assert ctl.value == pytest.approx(want, rel=1e-14)
@@ -595,3 +601,31 @@ def test_the_guide_names_the_commits_it_read() -> None:
     text = GUIDE.read_text()
     for commit in ("b178a3cd", "f2cd5771", "3c3be623", "7ea279ab", "624b824a"):
         assert commit in text
+
+
+def _load_minimal() -> Any:
+    spec = importlib.util.spec_from_file_location("lk_examples_minimal_migration", ROOT / "examples" / "minimal.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # jsonargparse finds classes by module name
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_guides_yaml_trains_with_verls_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (block,) = re.findall(r"```yaml\n(.*?)```", GUIDE.read_text(), flags=re.S)
+    guide = yaml.safe_load(block)
+    config = yaml.safe_load((ROOT / "examples" / "configs" / "minimal.yaml").read_text())
+    config["model"].update(guide["model"], num_batches=2)
+    config["trainer"].update(guide["trainer"], default_root_dir=str(tmp_path), logger=False,
+                             enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)  # fmt: skip
+    path = tmp_path / "verl.yaml"
+    path.write_text(yaml.safe_dump(config))
+    minimal = _load_minimal()
+    monkeypatch.setattr(sys, "argv", ["minimal.py"])
+    cli = LightningCLI(minimal.KLBandit, args=["fit", "--config", str(path)])
+    assert (cli.model.kl.estimator, cli.model.kl.coef, cli.model.kl.agg) == ("low_var_kl", 0.001, "token-mean")
+    (callback,) = [c for c in cli.trainer.callbacks if isinstance(c, lk.KLRewardCallback)]
+    ctl = callback.controller
+    assert (callback.estimator, type(ctl), ctl.target_kl, ctl.horizon) == ("k1", lk.AdaptiveKLController, 0.1, 10000)
+    assert cli.trainer.global_step == 2 and ctl.value != 0.001  # trained, and the controller moved
