@@ -307,6 +307,15 @@ def test_trl_loss_type_is_our_agg(loss_type: str) -> None:
     )  # fmt: skip
 
 
+def test_trl_grpo_loss_type_counts_empty_sequences_we_do_not() -> None:
+    lp, ref, mask = _batch(spread=0.7)
+    mask[3] = False  # a response with no completion token
+    beta = 0.04
+    ours = lk.KLPenaltyLoss("k3", coef=beta, agg="seq-mean-token-mean")(lp, ref, mask)
+    trl = beta * trl_loss_type_reference(trl_grpo_kl_reference(lp, ref), mask, "grpo")
+    assert_close(trl, ours * 4 / 5, **TIGHT)  # TRL divides by 5 sequences, we by the 4 with a token
+
+
 def test_trl_dapo_over_accumulated_micro_batches_is_our_token_mean_with_step_totals() -> None:
     # dapo divides every micro-batch by the accumulated batch's token count and does not divide by the
     # number of micro-batches; Lightning divides our loss by accumulate_grad_batches: the same gradient
@@ -486,6 +495,12 @@ def test_nemo_default_kl_is_our_low_var_kl_with_old_logprob_detached_where_k3_is
     # k1: our k1 with old_logprob detached, inside the output clamp
     inside = D.abs() < 10
     _assert_same(_ours_detached("k1"), lambda a, b: nemo_reference(a, b, "k1", weight=_on_policy_weight(a)), lp, ref, inside)
+
+
+def test_nemo_before_its_weighted_kl_was_our_low_var_kl() -> None:
+    # until 2026-06-24 the default weight was a constant 1: k3 with both clamps, as verl's low_var_kl
+    lp, ref = _pair(D)
+    _assert_same(_ours("low_var_kl"), lambda a, b: nemo_reference(a, b, weight=torch.ones_like(a)), lp, ref)
 
 
 def _ours_detached(name: str) -> Callable[[Tensor, Tensor], Tensor]:
