@@ -113,10 +113,13 @@ def test_verl_names_map_to_ours_on_every_log_ratio(verl_name: str) -> None:
 
 def test_verl_k3_is_our_low_var_kl_not_our_k3() -> None:
     # where k3 <= 10 the three agree; the edges, by bisection on k3(d) = 10
-    def edge(lo: float, hi: float) -> float:
+    def above(x: float) -> bool:
+        return _k3(torch.tensor(x, dtype=torch.float64)).item() > 10
+
+    def edge(lo: float, hi: float) -> float:  # above(lo) != above(hi)
         for _ in range(200):
             mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if (_k3(torch.tensor(mid, dtype=torch.float64)) > 10) == (_k3(torch.tensor(lo, dtype=torch.float64)) > 10) else (lo, mid)
+            lo, hi = (mid, hi) if above(mid) == above(lo) else (lo, mid)
         return lo
 
     left, right = edge(-5.0, 0.0), edge(5.0, 15.0)
