@@ -293,6 +293,31 @@ def fit(root: str, layout: str, **trainer_kwargs: Any) -> dict[str, Any]:
     return model.record
 
 
+def layout_errors() -> dict[str, str]:
+    """After a DP x TP fit: the messages of the groups that do not fit (each must raise)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_kl.ground.parallel import data_parallel_group
+
+    world = torch.distributed.group.WORLD
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    x = torch.zeros(2, 3, dtype=torch.float64)
+    attempts = {
+        "unnamed_2d_mesh": lambda: data_parallel_group(device_mesh=mesh),
+        "world_given": lambda: data_parallel_group(process_group=world),
+        "tp_given": lambda: data_parallel_group(device_mesh=mesh["tp"]),
+        "loss_world": lambda: lk.KLPenaltyLoss("k1", agg="token-sum", global_batch=True, process_group=world)(x, x),
+    }
+    errors = {}
+    for name, attempt in attempts.items():
+        try:
+            attempt()
+        except ValueError as err:
+            errors[name] = str(err)
+    errors["dp_given_size"] = str(data_parallel_group(device_mesh=mesh["dp"]).size)  # agrees: no error
+    return errors
+
+
 def main(out_dir: str, layout: str) -> None:
     from lightning.pytorch.strategies import ModelParallelStrategy
 
@@ -300,6 +325,8 @@ def main(out_dir: str, layout: str) -> None:
     dp, tp = LAYOUTS[layout]
     strategy = ModelParallelStrategy(data_parallel_size=dp, tensor_parallel_size=tp)
     record = fit(out_dir, layout, devices=dp * tp, strategy=strategy)
+    if tp > 1:
+        record["layout_errors"] = layout_errors()
     with open(os.path.join(out_dir, f"rank{record['rank']}.json"), "w") as f:
         json.dump(record, f)
     if torch.distributed.is_initialized():

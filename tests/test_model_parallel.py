@@ -1,0 +1,155 @@
+"""Lightning's ``ModelParallelStrategy`` on CPU (gloo) agrees with one process over the global batch.
+
+Two launches of tests/_mp_worker.py (through tests/_ddp.py, each in a subprocess with a timeout):
+FSDP2 data parallel on 2 processes (a tiny Qwen2 with LoRA; the reference is the model with its
+adapters off; the LM head sharded on its own), and data parallel x tensor parallel (2 x 2) on 4
+processes (policy and a separate reference, both tensor parallel and FSDP2-sharded). The two
+replicas hold 9 and 6 valid tokens in 3 and 2 non-empty sequences; the tensor parallel ranks of a
+replica hold the same rows, so a reduction over every process instead of the data parallel group
+counts each batch twice (the `token-sum` loss and gradient doubled, the controller's ``n_steps``
+doubled). The same module then runs here in one process over the global batch, in float64.
+
+The data parallel group's rules that need no process group (arguments, strategies) are checked here
+directly; those that need one (a mesh without a ``data_parallel`` dimension, a group that disagrees)
+in the 4-process launch.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+import lightning_kl as lk
+from _ddp import run_ddp_worker
+from lightning_kl.ground.parallel import check_parallel_args, data_parallel_group
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+WORKER_PATH = Path(__file__).with_name("_mp_worker.py")
+_spec = importlib.util.spec_from_file_location("_mp_worker", WORKER_PATH)
+assert _spec is not None and _spec.loader is not None
+worker = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(worker)
+
+LAYOUTS = list(worker.LAYOUTS)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[list[dict[str, Any]], dict[str, Any]]]:
+    """Per layout: every rank's record, and the one-process record over the global batch."""
+    out = {}
+    for layout, (dp, tp) in worker.LAYOUTS.items():
+        ranks = run_ddp_worker(WORKER_PATH, tmp_path_factory.mktemp(layout), layout, world=dp * tp, timeout=300)
+        single = worker.fit(str(tmp_path_factory.mktemp(f"{layout}_single")), layout, devices=1)
+        out[layout] = (ranks, single)
+    return out
+
+
+def test_the_replicas_hold_unequal_data_and_the_tensor_parallel_ranks_the_same(runs: dict[str, Any]) -> None:
+    lengths = worker.LENGTHS
+    assert sum(lengths[:3]) != sum(lengths[3:]) and sum(map(bool, lengths[:3])) != sum(map(bool, lengths[3:]))
+    ranks, _ = runs["dp_tp"]
+    assert [(r["dp_rank"], r["dp_size"]) for r in ranks] == [(0, 2), (0, 2), (1, 2), (1, 2)]
+    assert ranks[0]["rewards"] == ranks[1]["rewards"] != ranks[2]["rewards"] == ranks[3]["rewards"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_configuration_gives_the_one_process_loss_gradient_and_metric(runs: dict[str, Any], layout: str) -> None:
+    ranks, single = runs[layout]
+    configs = [worker.config_key(c) for c in worker.configs(layout)]
+    assert list(single["losses"]) == configs and all(list(r["losses"]) == configs for r in ranks)
+    for key in configs:
+        # each replica's loss is dp times its share: their mean is the global batch's loss
+        per_replica = {r["dp_rank"]: r["losses"][key] for r in ranks}
+        assert_close(sum(per_replica.values()) / len(per_replica), single["losses"][key], rtol=1e-12, atol=1e-12, msg=key)
+        for r in ranks:
+            assert r["losses"][key] == per_replica[r["dp_rank"]], key  # tensor parallel ranks agree
+            assert set(r["grads"][key]) == set(single["grads"][key])
+            for name, grad in single["grads"][key].items():
+                expected = torch.tensor(grad, dtype=torch.float64)
+                assert expected.abs().sum() > 0, (key, name)
+                got = torch.tensor(r["grads"][key][name], dtype=torch.float64)
+                assert_close(got, expected, rtol=1e-12, atol=1e-12, msg=f"{key} {name} rank {r['rank']}")
+            assert_close(r["metrics"][key], single["metrics"][key], rtol=1e-12, atol=1e-12, msg=key)
+
+
+def reference_trajectory(n_steps: int) -> list[float]:
+    """The AdaptiveKLController over the global batches, in float64 from the formula (k1, per-sequence means)."""
+    cfg, value, out = worker.CONTROLLER, worker.CONTROLLER["init_kl_coef"], []
+    for batch in worker.data(n_steps):
+        seq_kls = []
+        for lp, ref, m in zip(batch["logprobs"].tolist(), batch["ref_logprobs"].tolist(), batch["mask"].tolist()):
+            ds = [a - b for a, b, keep in zip(lp, ref, m) if keep]
+            if ds:
+                seq_kls.append(sum(ds) / len(ds))
+        err = min(max(sum(seq_kls) / len(seq_kls) / cfg["target_kl"] - 1, -0.2), 0.2)
+        value *= 1 + err * len(seq_kls) / cfg["horizon"]
+        out.append(value)
+    return out
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_callback_coefficient_is_bitwise_the_one_process_one_and_rewards_match(runs: dict[str, Any], layout: str) -> None:
+    ranks, single = runs[layout]
+    assert_close(single["coef"], reference_trajectory(len(single["coef"])), rtol=1e-13, atol=0)
+    rows = worker.GLOBAL_B // ranks[0]["dp_size"]
+    for r in ranks:
+        assert r["coef"] == single["coef"]  # bitwise, every step
+        for got, full in zip(r["rewards"], single["rewards"]):
+            expected = full[r["dp_rank"] * rows : (r["dp_rank"] + 1) * rows]
+            assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-12, atol=1e-12)
+
+
+def test_an_fsdp2_sharded_head_is_refused_with_the_recipe(runs: dict[str, Any]) -> None:
+    ranks, _ = runs["fsdp2"]
+    for r in ranks:
+        assert set(r["errors"]) == {worker.config_key(c) for c in worker.HIDDEN_CONFIGS}
+        for message in r["errors"].values():
+            assert "Shard(dim=0)" in message and "unshard()" in message and "full_tensor()" in message
+
+
+def test_groups_that_do_not_fit_the_layout_are_refused(runs: dict[str, Any]) -> None:
+    ranks, _ = runs["dp_tp"]
+    for r in ranks:
+        errors = r["layout_errors"]
+        assert "dimensions ('dp', 'tp') does not say which one" in errors["unnamed_2d_mesh"]
+        for name in ("world_given", "tp_given", "loss_world"):
+            assert "does not match the device mesh's data parallel group" in errors[name], name
+        assert errors["dp_given_size"] == "2"
+
+
+# -- the rules that need no process group -----------------------------------------------------------
+
+
+class _Strategy:
+    def __init__(self, world_size: int, num_replicas: int) -> None:
+        self.world_size = world_size
+        self.distributed_sampler_kwargs = {"num_replicas": num_replicas, "rank": 0}
+
+
+def test_from_the_strategy_one_device_ddp_and_an_unreadable_layout() -> None:
+    assert data_parallel_group(strategy=_Strategy(1, 1)).size == 1
+    ddp = data_parallel_group(strategy=_Strategy(4, 4))
+    assert (ddp.group, ddp.size) == (None, 4)
+    with pytest.raises(ValueError, match="splits the data over 2 replicas among 4 processes"):
+        data_parallel_group(strategy=_Strategy(4, 2))
+    assert data_parallel_group().size == 1  # no torch.distributed: nothing to reduce
+
+
+@pytest.mark.parametrize("make", [lk.KLPenaltyLoss, lk.KLMetric, lk.KLRewardCallback])
+def test_bad_group_arguments_fail_at_construction(make: Any) -> None:
+    with pytest.raises(TypeError, match="`process_group` must be a torch.distributed ProcessGroup.*got str"):
+        make(process_group="dp")
+    with pytest.raises(TypeError, match="`device_mesh` must be a torch DeviceMesh, got int"):
+        make(device_mesh=2)
+
+
+def test_a_group_and_a_mesh_together_are_refused() -> None:
+    with pytest.raises(ValueError, match="as `process_group` or as `device_mesh`, not both"):
+        check_parallel_args(object(), object())
