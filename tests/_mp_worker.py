@@ -270,6 +270,11 @@ class MPProbe(pl.LightningModule):
     def on_train_end(self) -> None:
         # synced over the data parallel group by torchmetrics (every rank takes part)
         self.record["metrics"] = {config_key(c): float(f.metric.compute()) for c, f in zip(self.configs, self.losses)}
+        counts = {}
+        for c, f in zip(self.configs, self.losses):
+            with f.metric.sync_context():  # the synced state: every replica's tokens once
+                counts[config_key(c)] = int(f.metric.count)
+        self.record["metric_counts"] = counts
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD([p for p in self.policy.parameters() if p.requires_grad], lr=0.0)

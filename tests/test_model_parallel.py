@@ -77,6 +77,7 @@ def test_every_configuration_gives_the_one_process_loss_gradient_and_metric(runs
                 got = torch.tensor(r["grads"][key][name], dtype=torch.float64)
                 assert_close(got, expected, rtol=1e-12, atol=1e-12, msg=f"{key} {name} rank {r['rank']}")
             assert_close(r["metrics"][key], single["metrics"][key], rtol=1e-12, atol=1e-12, msg=key)
+            assert r["metric_counts"][key] == single["metric_counts"][key] == sum(worker.LENGTHS), key
 
 
 def reference_trajectory(n_steps: int) -> list[float]:
