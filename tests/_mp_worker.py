@@ -60,12 +60,14 @@ CONFIGS: list[tuple[str, str, str, str]] = (
     ]
 )
 HIDDEN_CONFIGS = [("k3+", "token-sum", "token", "hidden"), ("full", "seq-mean-token-sum-norm", "token", "hidden")]
+# what the docs say never to do, recorded to show why: the sharded head made whole with full_tensor()
+FULL_TENSOR_CONFIG = ("k3+", "token-sum", "token", "full_tensor")
 
 
 def configs(layout: str) -> list[tuple[str, str, str, str]]:
     # from hidden states: the FSDP2-sharded head (fsdp2); under dp_tp the head is tensor parallel,
     # which the vocabulary-parallel kernels take (TODO(vocab-parallel): add HIDDEN_CONFIGS there)
-    return CONFIGS + (HIDDEN_CONFIGS if layout == "fsdp2" else [])
+    return CONFIGS + (HIDDEN_CONFIGS + [FULL_TENSOR_CONFIG] if layout == "fsdp2" else [])
 
 
 def config_key(config: tuple[str, str, str, str]) -> str:
@@ -219,7 +221,7 @@ class MPProbe(pl.LightningModule):
         key = config_key(config)
         ids, mask = batch["input_ids"], batch["mask"]
         tokens = ids[:, P:]
-        hidden = extra == "hidden"
+        hidden = extra in ("hidden", "full_tensor")
         logits, h = self._forward(self.policy, ids, hidden)
         with torch.no_grad():
             if self.lora:
@@ -228,7 +230,12 @@ class MPProbe(pl.LightningModule):
             else:
                 ref_logits, ref_h = self._forward(self.ref, ids, hidden)
         loss_fn = self.losses[batch_idx]
-        if hidden:
+        if extra == "full_tensor":
+            weight = self._head().weight
+            weight = weight.full_tensor() if hasattr(weight, "full_tensor") else weight
+            logprob = lk.token_logprobs_from_hidden(h, weight, tokens)
+            loss = loss_fn(logprob, lk.token_logprobs_from_hidden(ref_h, weight.detach(), tokens), mask)
+        elif hidden:
             weight = self._head_weight(key)
             if estimator == "full":
                 loss = loss_fn(lk.FromHidden(h, weight), lk.FromHidden(ref_h, weight.detach()), mask)

@@ -65,6 +65,8 @@ def test_every_configuration_gives_the_one_process_loss_gradient_and_metric(runs
     configs = [worker.config_key(c) for c in worker.configs(layout)]
     assert list(single["losses"]) == configs and all(list(r["losses"]) == configs for r in ranks)
     for key in configs:
+        if key == worker.config_key(worker.FULL_TENSOR_CONFIG):
+            continue  # the wrong recipe: see the test below
         # each replica's loss is dp times its share: their mean is the global batch's loss
         per_replica = {r["dp_rank"]: r["losses"][key] for r in ranks}
         assert_close(sum(per_replica.values()) / len(per_replica), single["losses"][key], rtol=1e-12, atol=1e-12, msg=key)
@@ -113,6 +115,22 @@ def test_an_fsdp2_sharded_head_is_refused_with_the_recipe(runs: dict[str, Any]) 
         assert set(r["errors"]) == {worker.config_key(c) for c in worker.HIDDEN_CONFIGS}
         for message in r["errors"].values():
             assert "Shard(dim=0)" in message and "unshard()" in message and "full_tensor()" in message
+
+
+def test_full_tensor_on_an_fsdp2_head_gives_the_right_loss_and_a_wrong_head_gradient(runs: dict[str, Any]) -> None:
+    # why the docs and the error say never to do it: the gradient goes back to each rank's shard
+    # from that rank's rows only, and FSDP never reduce-scatters it
+    ranks, single = runs["fsdp2"]
+    key = worker.config_key(worker.FULL_TENSOR_CONFIG)
+    assert_close(sum(r["losses"][key] for r in ranks) / 2, single["losses"][key], rtol=1e-12, atol=1e-12)
+    head = "base_model.model.lm_head.weight"
+    expected = torch.tensor(single["grads"][key][head], dtype=torch.float64)
+    for r in ranks:
+        got = torch.tensor(r["grads"][key][head], dtype=torch.float64)
+        assert (got - expected).norm() > 0.1 * expected.norm()
+        for name, grad in single["grads"][key].items():
+            if name != head:  # the rest of the model is right
+                assert_close(torch.tensor(r["grads"][key][name], dtype=torch.float64), torch.tensor(grad, dtype=torch.float64), rtol=1e-12, atol=1e-12)
 
 
 def test_groups_that_do_not_fit_the_layout_are_refused(runs: dict[str, Any]) -> None:

@@ -232,7 +232,7 @@ def check_not_sharded(name: str, x: Tensor) -> None:
     The head's weight of a module that FSDP2 has resharded is a ``Shard(0)`` DTensor. The
     recipe is to unshard it through its FSDP module and pass the unsharded weight, leaving the reshard
     to FSDP after backward; ``weight.full_tensor()`` instead gives the right values and a wrong
-    gradient: it lands on each rank's gathered copy, never reduce-scattered into the shards.
+    gradient: it goes back to each rank's shard from that rank's rows only, never reduce-scattered.
     """
     placements = getattr(x, "placements", None)
     if placements is None or not callable(getattr(x, "full_tensor", None)):
@@ -242,7 +242,7 @@ def check_not_sharded(name: str, x: Tensor) -> None:
         "Unshard it through the FSDP module that holds it, e.g. `model.lm_head.unshard()` (or the module "
         "fully_shard wrapped), then pass `model.lm_head.weight`, the unsharded parameter; FSDP reshards it "
         "and reduce-scatters its gradient after backward. Never pass `weight.full_tensor()`: its gradient "
-        "stays on each rank's gathered copy and never reaches the sharded parameter."
+        "goes back to each rank's shard from that rank's rows only, and FSDP never reduce-scatters it."
     )
 
 
