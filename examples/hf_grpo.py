@@ -402,9 +402,10 @@ class HFGRPO(pl.LightningModule):
             raise ValueError("this example shards with FSDP2 only: give ModelParallelStrategy(tensor_parallel_size=1).")
         from torch.distributed.fsdp import fully_shard
 
-        for layer in self.policy.base_model.model.model.layers:
+        model = self.policy.base_model.model  # the transformers model: generate() calls it, not the PeftModel
+        for layer in model.model.layers:
             fully_shard(layer, mesh=mesh["data_parallel"])
-        fully_shard(self.policy, mesh=mesh["data_parallel"])
+        fully_shard(model, mesh=mesh["data_parallel"])
         self.sharded = True
 
     def on_fit_start(self) -> None:
