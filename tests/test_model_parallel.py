@@ -172,3 +172,19 @@ def test_bad_group_arguments_fail_at_construction(make: Any) -> None:
 def test_a_group_and_a_mesh_together_are_refused() -> None:
     with pytest.raises(ValueError, match="as `process_group` or as `device_mesh`, not both"):
         check_parallel_args(object(), object())
+
+
+def test_the_fsdp2_example_config_makes_a_model_parallel_trainer_of_2_processes() -> None:
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "hf_grpo.py"
+    spec = importlib.util.spec_from_file_location("hf_grpo_fsdp2_config", path)
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    config = path.parent / "configs" / "hf_grpo_fsdp2.yaml"
+    cli = example.main(["--config", str(config), "--trainer.logger=false"], run=False)
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, ModelParallelStrategy) and cli.trainer.num_devices == 2
+    assert (strategy._data_parallel_size, strategy._tensor_parallel_size) == (2, 1)
+    assert callable(cli.model.configure_model) and not cli.model.sharded
