@@ -24,8 +24,6 @@ non-empty sequences), and the tensor parallel ranks of a replica hold the same r
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 import warnings
 from typing import Any, Optional
@@ -35,6 +33,7 @@ import torch
 from torch import Tensor, nn
 
 import lightning_kl as lk
+from _ddp import write_rank_record
 from _trainers import make_quiet_trainer
 
 LAYOUTS = {"fsdp2": (2, 1), "dp_tp": (2, 2)}  # (data parallel, tensor parallel)
@@ -339,10 +338,7 @@ def main(out_dir: str, layout: str) -> None:
     record = fit(out_dir, layout, devices=dp * tp, strategy=strategy)
     if tp > 1:
         record["layout_errors"] = layout_errors()
-    with open(os.path.join(out_dir, f"rank{record['rank']}.json"), "w") as f:
-        json.dump(record, f)
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    write_rank_record(out_dir, record)
 
 
 if __name__ == "__main__":
