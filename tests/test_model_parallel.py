@@ -161,6 +161,38 @@ def test_from_the_strategy_one_device_ddp_and_an_unreadable_layout() -> None:
     assert data_parallel_group().size == 1  # no torch.distributed: nothing to reduce
 
 
+class _Group:
+    def __init__(self, size: int, ranks: list[int]) -> None:
+        self.ranks = ranks
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+
+def test_found_by_itself_the_world_a_mesh_group_or_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the decision on the process groups this process holds, with torch.distributed stood in for
+    # (4 processes): no group but the world -> the world (DDP); a data parallel mesh group -> it;
+    # smaller groups and no data parallel one, or two that disagree -> an error that asks for the group
+    from lightning_kl.ground import parallel
+
+    monkeypatch.setattr(parallel.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(parallel.dist, "get_world_size", lambda group=None: 4)
+    monkeypatch.setattr(parallel.dist, "get_process_group_ranks", lambda g: g.ranks)
+    groups: tuple[list[Any], list[Any]] = ([], [])
+    monkeypatch.setattr(parallel, "_mesh_groups", lambda: groups)
+    assert (data_parallel_group().group, data_parallel_group().size) == (None, 4)
+    dp = _Group(2, [0, 2])
+    groups = ([dp], [_Group(2, [0, 1])])
+    assert (data_parallel_group().group, data_parallel_group().size) == (dp, 2)
+    groups = ([], [_Group(2, [0, 1])])
+    with pytest.raises(ValueError, match=r"process groups of size \[2\], but no device mesh dimension named 'data_parallel'"):
+        data_parallel_group()
+    groups = ([dp, _Group(2, [0, 1])], [])
+    with pytest.raises(ValueError, match="several data parallel mesh groups"):
+        data_parallel_group()
+
+
 @pytest.mark.parametrize("make", [lk.KLPenaltyLoss, lk.KLMetric, lk.KLRewardCallback])
 def test_bad_group_arguments_fail_at_construction(make: Any) -> None:
     with pytest.raises(TypeError, match="`process_group` must be a torch.distributed ProcessGroup.*got str"):
