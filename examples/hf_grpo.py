@@ -1,6 +1,7 @@
 r"""GRPO on a Hugging Face ``transformers`` policy with LoRA; the reference is the same model, adapters off.
 
     python examples/hf_grpo.py fit --config examples/configs/hf_grpo_lora.yaml
+    python examples/hf_grpo.py fit --config examples/configs/hf_grpo_fsdp2.yaml  # FSDP2, 2 CPU processes
 
 Everything is made here, on a CPU, with no download:
 

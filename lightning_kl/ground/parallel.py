@@ -112,7 +112,7 @@ def _from_group(group: Any, source: str) -> DataParallelGroup:
     return DataParallelGroup(group if size > 1 else None, size, source)
 
 
-def _from_strategy(strategy: Any) -> Optional[DataParallelGroup]:
+def _from_strategy(strategy: Any) -> DataParallelGroup:
     world = int(getattr(strategy, "world_size", 1) or 1)
     if world <= 1:
         return _SINGLE
