@@ -25,6 +25,7 @@ non-empty sequences), and the tensor parallel ranks of a replica hold the same r
 from __future__ import annotations
 
 import sys
+import time
 import warnings
 from typing import Any, Optional
 
@@ -297,8 +298,9 @@ def fit(root: str, layout: str, **trainer_kwargs: Any) -> dict[str, Any]:
     trainer = make_quiet_trainer(
         root, max_steps=len(model.configs), callbacks=[callback], use_distributed_sampler=False, **trainer_kwargs
     )
+    start = time.perf_counter()
     trainer.fit(model)
-    model.record.update(rank=trainer.global_rank, world_size=trainer.world_size)
+    model.record.update(rank=trainer.global_rank, world_size=trainer.world_size, fit_seconds=time.perf_counter() - start)
     rank, size = model._replica()
     model.record.update(dp_rank=rank, dp_size=size)
     return model.record

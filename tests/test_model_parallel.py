@@ -40,28 +40,39 @@ _spec.loader.exec_module(worker)
 LAYOUTS = list(worker.LAYOUTS)
 
 
+def _launch(tmp_path_factory: pytest.TempPathFactory, layout: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Every rank's record of ``layout``, and the one-process record over the global batch."""
+    dp, tp = worker.LAYOUTS[layout]
+    ranks = run_ddp_worker(WORKER_PATH, tmp_path_factory.mktemp(layout), layout, world=dp * tp, timeout=300)
+    single = worker.fit(str(tmp_path_factory.mktemp(f"{layout}_single")), layout, devices=1)
+    return ranks, single
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[list[dict[str, Any]], dict[str, Any]]]:
-    """Per layout: every rank's record, and the one-process record over the global batch."""
-    out = {}
-    for layout, (dp, tp) in worker.LAYOUTS.items():
-        ranks = run_ddp_worker(WORKER_PATH, tmp_path_factory.mktemp(layout), layout, world=dp * tp, timeout=300)
-        single = worker.fit(str(tmp_path_factory.mktemp(f"{layout}_single")), layout, devices=1)
-        out[layout] = (ranks, single)
-    return out
+def fsdp2(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    return _launch(tmp_path_factory, "fsdp2")
 
 
-def test_the_replicas_hold_unequal_data_and_the_tensor_parallel_ranks_the_same(runs: dict[str, Any]) -> None:
+@pytest.fixture(scope="module")
+def dp_tp(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    return _launch(tmp_path_factory, "dp_tp")
+
+
+@pytest.fixture(params=LAYOUTS)
+def run(request: pytest.FixtureRequest) -> tuple[str, list[dict[str, Any]], dict[str, Any]]:
+    return (request.param, *request.getfixturevalue(request.param))
+
+
+def test_the_replicas_hold_unequal_data_and_the_tensor_parallel_ranks_the_same(dp_tp: Any) -> None:
     lengths = worker.LENGTHS
     assert sum(lengths[:3]) != sum(lengths[3:]) and sum(map(bool, lengths[:3])) != sum(map(bool, lengths[3:]))
-    ranks, _ = runs["dp_tp"]
+    ranks, _ = dp_tp
     assert [(r["dp_rank"], r["dp_size"]) for r in ranks] == [(0, 2), (0, 2), (1, 2), (1, 2)]
     assert ranks[0]["rewards"] == ranks[1]["rewards"] != ranks[2]["rewards"] == ranks[3]["rewards"]
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_every_configuration_gives_the_one_process_loss_gradient_and_metric(runs: dict[str, Any], layout: str) -> None:
-    ranks, single = runs[layout]
+def test_every_configuration_gives_the_one_process_loss_gradient_and_metric(run: Any) -> None:
+    layout, ranks, single = run
     configs = [worker.config_key(c) for c in worker.configs(layout)]
     assert list(single["losses"]) == configs and all(list(r["losses"]) == configs for r in ranks)
     for key in configs:
@@ -97,9 +108,8 @@ def reference_trajectory(n_steps: int) -> list[float]:
     return out
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_callback_coefficient_is_bitwise_the_one_process_one_and_rewards_match(runs: dict[str, Any], layout: str) -> None:
-    ranks, single = runs[layout]
+def test_callback_coefficient_is_bitwise_the_one_process_one_and_rewards_match(run: Any) -> None:
+    _, ranks, single = run
     assert_close(single["coef"], reference_trajectory(len(single["coef"])), rtol=1e-13, atol=0)
     rows = worker.GLOBAL_B // ranks[0]["dp_size"]
     for r in ranks:
@@ -109,18 +119,18 @@ def test_callback_coefficient_is_bitwise_the_one_process_one_and_rewards_match(r
             assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-12, atol=1e-12)
 
 
-def test_an_fsdp2_sharded_head_is_refused_with_the_recipe(runs: dict[str, Any]) -> None:
-    ranks, _ = runs["fsdp2"]
+def test_an_fsdp2_sharded_head_is_refused_with_the_recipe(fsdp2: Any) -> None:
+    ranks, _ = fsdp2
     for r in ranks:
         assert set(r["errors"]) == {worker.config_key(c) for c in worker.HIDDEN_CONFIGS}
         for message in r["errors"].values():
             assert "Shard(dim=0)" in message and "unshard()" in message and "full_tensor()" in message
 
 
-def test_full_tensor_on_an_fsdp2_head_gives_the_right_loss_and_a_wrong_head_gradient(runs: dict[str, Any]) -> None:
+def test_full_tensor_on_an_fsdp2_head_gives_the_right_loss_and_a_wrong_head_gradient(fsdp2: Any) -> None:
     # why the docs and the error say never to do it: the gradient goes back to each rank's shard
     # from that rank's rows only, and FSDP never reduce-scatters it
-    ranks, single = runs["fsdp2"]
+    ranks, single = fsdp2
     key = worker.config_key(worker.FULL_TENSOR_CONFIG)
     assert_close(sum(r["losses"][key] for r in ranks) / 2, single["losses"][key], rtol=1e-12, atol=1e-12)
     head = "base_model.model.lm_head.weight"
@@ -133,8 +143,8 @@ def test_full_tensor_on_an_fsdp2_head_gives_the_right_loss_and_a_wrong_head_grad
                 assert_close(torch.tensor(r["grads"][key][name], dtype=torch.float64), torch.tensor(grad, dtype=torch.float64), rtol=1e-12, atol=1e-12)
 
 
-def test_groups_that_do_not_fit_the_layout_are_refused(runs: dict[str, Any]) -> None:
-    ranks, _ = runs["dp_tp"]
+def test_groups_that_do_not_fit_the_layout_are_refused(dp_tp: Any) -> None:
+    ranks, _ = dp_tp
     for r in ranks:
         errors = r["layout_errors"]
         assert "dimensions ('dp', 'tp') does not say which one" in errors["unnamed_2d_mesh"]
