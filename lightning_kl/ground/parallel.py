@@ -172,7 +172,8 @@ def _discovered() -> Optional[DataParallelGroup]:
         raise ValueError(
             f"torch.distributed has {dist.get_world_size()} processes and process groups of size {sizes}, but no "
             f"device mesh dimension named {DATA_PARALLEL_DIM!r}: which processes hold different data is "
-            "ambiguous. Pass the data parallel `process_group` (or a `device_mesh`)."
+            "ambiguous. Pass the data parallel `process_group` (or a `device_mesh`); when every process holds "
+            "its own data (DDP, hybrid-sharded FSDP), that is `torch.distributed.group.WORLD`."
         )
     return None
 
