@@ -10,14 +10,13 @@ rank 0 only.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 from typing import Any
 
 import torch
 
 import lightning_kl as lk
+from _ddp import write_rank_record
 from _trainers import make_quiet_trainer
 from test_refresh import PolicyAndRef, Recorder, tokens_of_step
 
@@ -85,12 +84,7 @@ def main(out_dir: str) -> None:
     # both runs in one launch (the second reuses the process group): one subprocess start in all
     records = {mode: fit(out_dir, mode) for mode in ("ddp", "fsdp2")}
     rank = records["ddp"]["rank"]
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"rank": rank, "world_size": WORLD, **records}, f)
-    # tear the gloo process group down before the interpreter exits (see _ddp_worker.py)
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-
+    write_rank_record(out_dir, {"rank": rank, "world_size": WORLD, **records})
 
 if __name__ == "__main__":
     main(sys.argv[1])
