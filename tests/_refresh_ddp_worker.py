@@ -86,5 +86,6 @@ def main(out_dir: str) -> None:
     rank = records["ddp"]["rank"]
     write_rank_record(out_dir, {"rank": rank, "world_size": WORLD, **records})
 
+
 if __name__ == "__main__":
     main(sys.argv[1])
