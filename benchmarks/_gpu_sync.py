@@ -268,6 +268,15 @@ def _callback_call(device: torch.device) -> Callable[[], Any]:
     return call
 
 
+def _refresh_call(device: torch.device, alpha: float) -> Callable[[], Any]:
+    """``ReferenceRefresh.refresh``: the reference mixed toward the policy in place (EMA or hard reset)."""
+    module = nn.Module()
+    module.policy = nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16)).to(device)
+    module.ref = nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16)).to(device)
+    refresh = lk.ReferenceRefresh(every_n_steps=1, alpha=alpha)
+    return lambda: refresh.refresh(module)
+
+
 class _TinyLM(nn.Module):
     """A causal-LM stand-in with a ``peft``-like adapter switch (for ``lk.hf``)."""
 
@@ -335,6 +344,8 @@ SYNC_CALLS: list[SyncCall] = [
     SyncCall("KLController.value (a float: reads the device by design)", ("KLController",), _controller_read, syncs="a Python float of a device tensor, by design (checkpoints, every log_every_n_steps)", kind="design"),
     SyncCall("KLRewardCallback.shape_rewards + update_controller (per-sequence scores)", ("KLRewardCallback",), _shape_rewards_call),
     SyncCall("KLRewardCallback.on_train_batch_start in a Trainer", ("KLRewardCallback",), _callback_call, guards_itself=True),
+    SyncCall("ReferenceRefresh.refresh (EMA, alpha=0.5)", ("ReferenceRefresh",), lambda d: _refresh_call(d, 0.5)),
+    SyncCall("ReferenceRefresh.refresh (hard reset)", ("ReferenceRefresh",), lambda d: _refresh_call(d, 1.0)),
     SyncCall("hf.response_mask", ("hf.response_mask",), lambda d: _hf_call(d, "response_mask"), syncs=_H2D + ": the EOS ids (hf.py: _eos_hits)", kind="copy"),
     SyncCall("hf.sequence_inputs", ("hf.sequence_inputs",), lambda d: _hf_call(d, "sequence_inputs")),
     SyncCall("hf.response_logits", ("hf.response_logits",), lambda d: _hf_call(d, "response_logits")),
