@@ -54,8 +54,8 @@ with that case marked ``hung``. The JSON is rewritten after every case, so whate
 the figures measured so far are on disk. Out-of-memory is caught per case (``oom``, reported).
 
 Outputs in ``--out``: ``gpu.md`` (the tables, ready to paste into ``docs/performance.md``) and
-``gpu.json`` (everything, with the environment). Ratios are "lightning-kl / this row": 0.40x time
-means the library takes 0.40 of that anchor's time.
+``gpu.json`` (everything, with the environment). Ratios are "lightning-kl / this row" (for
+``chunks``: the CUDA default / this row): 0.40x time means the library takes 0.40 of that anchor's time.
 """
 
 from __future__ import annotations
@@ -686,9 +686,12 @@ def markdown(data: dict[str, Any]) -> str:
         f"{env.get('device_name')}, torch {env.get('torch')}, CUDA {env.get('cuda')}, "
         f"anchors: {', '.join(f'{k} {v}' for k, v in env.get('anchors', {}).items() if v) or 'none installed'}.",
         "",
-        "Forward + backward, median of the CUDA-event timings; peak = `max_memory_allocated` above the inputs "
-        "(input gradients included). Ratios: lightning-kl / this row (0.40x: the library takes 0.40 of it). "
-        "max |diff|: the largest difference of this row's forward value from the library's, same inputs.",
+        ("Forward + backward, median of the CUDA-event timings; peak = `max_memory_allocated` above the inputs "
+         "(input gradients included)." if env.get("device", "").startswith("cuda") else
+         "Forward + backward, median host wall time (not on CUDA: no peak memory, and the times say nothing).")
+        + " Ratios: the reference row (the library's; the CUDA default for `chunks`) / this row (0.40x: the "
+        "reference takes 0.40 of its time). max abs diff: the largest difference of this row's forward value "
+        "from the reference row's, same inputs.",
         "",
     ]
     refs = {(c["group"], c["what"], c["size"], c["dtype"]): c for c in data["cases"] if c.get("reference") and c["status"] == "ok"}
@@ -707,6 +710,8 @@ def markdown(data: dict[str, Any]) -> str:
                 if c.get("peak_mib") and ref.get("peak_mib") is not None:
                     m_ratio = f"{ref['peak_mib'] / c['peak_mib']:.2f}x"
             status = c["status"] if c["status"] == "ok" else f"{c['status']}: {c.get('reason', '')}"
+            if c.get("reference"):
+                status += " (reference)"
             diff = c.get("max_abs_diff")
             lines.append(
                 f"| `{c['what']}` | {c['size']} | {c['dtype']} | {c['variant']} | {_fmt(c.get('ms'), 3)} | {_fmt(c.get('peak_mib'), 0)} "
