@@ -62,14 +62,19 @@ __all__ = ["full_kl", "full_kl_compute", "full_kl_from_hidden", "full_kl_from_hi
 # (lightning_kl.ground.chunks), 2^19 elements (2 MiB per float32 buffer) per chunk and thread. Without
 # the pool (CPU_THREAD_POOL = False there) each chunk is a dozen short *parallel* ops, so chunks are
 # larger. On GPU a chunk only has to be
-# large enough to fill the device: 2^25 elements, 128 MiB per float32 buffer.
+# large enough to fill the device: 2^25 elements, 128 MiB per float32 buffer, a few of them per
+# chunk (well under 1 GiB: small next to any training GPU's memory), and enough work per chunk
+# (220 rows at V = 151,936) that the host queues the next chunk's kernels before the device is
+# done with this one. There is no thread pool on GPU (lightning_kl.ground.chunks says why).
 CPU_CHUNK_ELEMENTS = 2**19
 CPU_SERIAL_CHUNK_ELEMENTS = 2**20  # CPU without the pool: fewer, larger parallel ops
 CUDA_CHUNK_ELEMENTS = 2**25
 
 # From hidden states a chunk's logits are a matmul that reads the whole head: it needs enough rows
 # to be compute bound rather than a re-read of [V, d] per few tokens. 2^23 elements is 55 rows at
-# V = 151,936 (32 MiB per float32 buffer, a few per CPU worker thread).
+# V = 151,936 (32 MiB per float32 buffer, a few per CPU worker thread). On GPU, 2^25 elements are
+# 220 rows: a [220, d] x [d, V] matmul does ~220 flops per byte of a bf16 head, about the ridge
+# point of a current GPU; benchmarks/gpu.py measures 2^23 and 2^27 against it.
 HIDDEN_CPU_CHUNK_ELEMENTS = 2**23
 HIDDEN_CUDA_CHUNK_ELEMENTS = 2**25
 HIDDEN_MIN_CHUNK_ROWS = 16

@@ -51,12 +51,19 @@ __all__ = [
 
 # From logits: elements per chunk of rows (rows = elements // V, at least 1). On CPU a chunk's
 # float32 temporaries stay in cache, so only the logits and their gradient go through main memory;
-# on GPU a chunk only has to fill the device.
+# on GPU a chunk only has to fill the device. There the limit is the host: it queues a chunk's
+# eight or so kernels (~10 us each in eager mode) while the device runs the previous chunk, so a
+# chunk must keep the device busy longer than that. 2^25 elements are 220 rows at V = 151,936, one
+# 128 MiB float32 scratch buffer (the only chunk-sized temporary), and ~0.6 GB of memory traffic per
+# chunk: ~0.2 ms at 3 TB/s, against ~0.1 ms of queueing. `benchmarks/gpu.py` measures 2^23 and
+# 2^27 against it (group "chunks").
 CPU_CHUNK_ELEMENTS = 2**19
 CUDA_CHUNK_ELEMENTS = 2**25
 
 # From hidden states: rows per block (the head is read once per block and per pass) and elements
-# per [rows, vocab tile] of logits: 2^22 float32 logits are 16 MiB per CPU worker thread.
+# per [rows, vocab tile] of logits: 2^22 float32 logits are 16 MiB per CPU worker thread. On GPU a
+# tile of 4096 rows x 16384 entries (2^26: 256 MiB in float32, plus its half-precision matmul
+# output) is a matmul large enough to run near the device's peak.
 HIDDEN_BLOCK_ROWS = 4096
 HIDDEN_CPU_TILE_ELEMENTS = 2**22
 HIDDEN_CUDA_TILE_ELEMENTS = 2**26
