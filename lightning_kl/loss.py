@@ -27,6 +27,7 @@ from lightning_kl.ground.checks import (
 from lightning_kl.kernels.full import full_kl_compute, full_kl_from_hidden_compute
 from lightning_kl.logprobs import FromHidden
 from lightning_kl.metric import KLMetric
+from lightning_kl.running import TrainerLookup
 from lightning_kl.sequence import (
     check_kl_to_go,
     check_level,
@@ -159,6 +160,7 @@ class KLPenaltyLoss(nn.Module):
         self.kl_to_go = check_kl_to_go(kl_to_go, self.level, self.spec.base == "full")
         self.metric = KLMetric()
         self._warned_micro_counts = False
+        self._lookup = TrainerLookup()
 
     @property
     def estimator(self) -> str:
@@ -174,7 +176,7 @@ class KLPenaltyLoss(nn.Module):
         *,
         num_tokens: Optional[Tensor | float] = None,
         num_seqs: Optional[Tensor | float] = None,
-        accumulate_grad_batches: int = 1,
+        accumulate_grad_batches: Optional[int] = None,
         sampled_logprob: Optional[Tensor] = None,
     ) -> Tensor:
         """The scalar KL loss; ``old_logprob`` (the sampling policy's) importance weights it.
@@ -186,13 +188,17 @@ class KLPenaltyLoss(nn.Module):
 
         Gradient accumulation (``Trainer(accumulate_grad_batches=k)``): give the optimizer step's
         totals over its ``k`` micro-batches, ``num_tokens`` (valid tokens) and ``num_seqs``
-        (sequences with a valid token), e.g. from :func:`~lightning_kl.step_totals`, and
-        ``accumulate_grad_batches=self.trainer.accumulate_grad_batches``. The loss then divides by
+        (sequences with a valid token), e.g. from :func:`~lightning_kl.step_totals`. The loss then divides by
         the step's totals instead of the micro-batch's and is multiplied by ``k``, which Lightning
         divides back out, so that the accumulated gradient is that of one batch holding the ``k``
         micro-batches, in every ``agg`` mode. With ``global_batch=True`` the totals are this
         process's and are summed over processes (as the micro-batch counts are otherwise). With
         ``k > 1`` and no total for a mode that divides by one, a warning is given once.
+
+        ``accumulate_grad_batches`` defaults to the Trainer's while a Trainer trains the
+        ``LightningModule`` whose ``training_step`` (or a method it calls) calls this loss: found once
+        from the caller's ``self`` (:mod:`lightning_kl.running`), so that forgetting the totals is
+        warned about. Outside a Trainer it is 1; pass it to skip the lookup.
         """
         from_hidden = isinstance(logprob, FromHidden), isinstance(ref_logprob, FromHidden)
         if any(from_hidden) and not (self.spec.base == "full" and all(from_hidden)):
@@ -224,13 +230,20 @@ class KLPenaltyLoss(nn.Module):
             kl = kl_penalty_compute(
                 logprob, ref_logprob, self.spec, mask, old_logprob, self.max_weight, self.level, self.kl_to_go
             )
-        k = check_accumulate_grad_batches(accumulate_grad_batches)
+        k = check_accumulate_grad_batches(self._trainer_accumulation() if accumulate_grad_batches is None else accumulate_grad_batches)
         given = (num_tokens, num_seqs)
         for name, n in zip(("num_tokens", "num_seqs"), given):
             check_count(name, n)
         self._warn_if_micro_batch_counts(k, given)
         self.metric(kl.detach(), mask)
         return self.coef * self._aggregate(kl, mask, given, k)
+
+    def _trainer_accumulation(self) -> int:
+        # the Trainer's accumulate_grad_batches while it trains the LightningModule calling this loss
+        trainer = self._lookup.trainer()
+        if trainer is None or not getattr(trainer, "training", False):
+            return 1
+        return getattr(trainer, "accumulate_grad_batches", 1)
 
     def _warn_if_micro_batch_counts(self, k: int, given: tuple[Any, Any]) -> None:
         needed = _COUNT_OF_MODE.get(self.agg)
@@ -242,8 +255,8 @@ class KLPenaltyLoss(nn.Module):
             f"KLPenaltyLoss(agg={self.agg!r}) is accumulating gradients over {k} micro-batches but got no "
             f"`{name}`: each micro-batch divides by its own count, so the accumulated gradient weighs the "
             f"micro-batches equally instead of every {'token' if needed == 0 else 'sequence'} of the optimizer "
-            f"step. Pass the step's totals: `{name}=lk.step_totals(masks)[{name!r}]` (see the README, "
-            "'Running at scale')."
+            f"step. Pass the step's totals: `{name}=lk.step_totals(masks)[{name!r}]` (see the docs, "
+            "'Running at scale', gradient accumulation)."
         )
 
     def _aggregate(self, kl: Tensor, mask: Optional[Tensor], given: tuple[Any, Any] = (None, None), k: int = 1) -> Tensor:

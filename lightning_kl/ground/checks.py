@@ -22,6 +22,7 @@ __all__ = [
     "check_full_inputs",
     "check_head",
     "check_mask",
+    "check_mask_values",
     "check_matching",
     "check_max_weight",
     "check_sampled_temperature",
@@ -79,7 +80,9 @@ def check_mask(
 
     With ``without`` (e.g. ``"the vocabulary dimension"``) the mask has ``like``'s shape less its
     last dimension, and the error says so and gives the expected shape. A bool mask is used as is;
-    an integer or floating mask is read as ``mask != 0``.
+    an integer or floating mask must hold only 0 and 1 (:func:`check_mask_values`) and is read as
+    ``mask != 0``. A ``like`` with one more dimension than the mask looks like logits ``[..., V]``
+    where log-probs belong: the error says so.
     """
     if mask is None:
         return None
@@ -89,13 +92,49 @@ def check_mask(
     if mask.shape != expected:
         what = f"`{like_name}`" if without is None else f"`{like_name}` without {without}"
         hint = "" if without is None else f" (expected mask {tuple(expected)})"
+        if without is None and like.ndim == mask.ndim + 1 and like.shape[:-1] == mask.shape:
+            hint = (
+                f": `{like_name}` {tuple(like.shape)} looks like logits `[..., V]` where the sampled tokens' "
+                "log-probs `[..., t]` belong; compute those with `lk.token_logprobs(logits, tokens)`, or pass "
+                "the logits of both models to the 'full' estimator (`lk.full_kl`, `KLPenaltyLoss('full')`)"
+            )
         raise ValueError(
             f"`mask` must have the shape of {what}: got mask {tuple(mask.shape)} "
             f"and {like_name} {tuple(like.shape)}{hint}."
         )
     if mask.device != like.device:
         raise ValueError(f"`mask` is on {mask.device} but `{like_name}` is on {like.device}.")
-    return mask if mask.dtype == torch.bool else mask != 0
+    return mask if mask.dtype == torch.bool else check_mask_values(mask)
+
+
+_first_accelerator_mask = [True]  # on an accelerator, only the first non-bool mask is read (see below)
+
+
+def check_mask_values(mask: Tensor) -> Tensor:
+    """A non-bool mask as bool, after checking that it holds only 0 and 1: a mask is not a weight.
+
+    A mask of 0.5, 2 or -1 would otherwise be read as ``mask != 0``, silently. The check reads the
+    mask's values: on the CPU always (no device to wait for); on an accelerator it would make the
+    host wait for the device at every step, so there only the process's first non-bool mask is
+    checked (one host read, once). Bool masks (``lk.hf.response_mask``'s, ``mask.bool()``) skip it
+    and cost nothing.
+
+    Raises:
+        ValueError: naming a bad value and the mask's dtype.
+    """
+    accelerator = mask.device.type != "cpu"
+    if not accelerator or _first_accelerator_mask[0]:
+        bad = (mask != 0) & (mask != 1)
+        if bool(bad.any()):
+            value = mask[bad][0].item()
+            raise ValueError(
+                f"`mask` must hold only 0 and 1 (or be bool), got {value!r} in a {mask.dtype} mask: a mask "
+                "says which tokens count, it is not a weight. Pass `mask.bool()` for a 0/1 mask; to weight "
+                "tokens, multiply the per-token values before `lk.aggregate`."
+            )
+        if accelerator:
+            _first_accelerator_mask[0] = False
+    return mask != 0
 
 
 def check_full_inputs(logits: Any, ref_logits: Any, mask: Optional[Tensor]) -> Optional[Tensor]:
