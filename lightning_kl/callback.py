@@ -13,7 +13,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_kl.controllers import FixedKLController, KLController
-from lightning_kl.estimators import SAMPLED_ESTIMATORS, parse_estimator
+from lightning_kl.estimators import SAMPLED_ESTIMATORS, SampledEstimatorName, parse_estimator
 from lightning_kl.functional import check_pair, kl_penalty_compute
 from lightning_kl.ground.checks import check_mask, compute_dtype
 
@@ -80,7 +80,7 @@ class KLRewardCallback(Callback):
 
     def __init__(
         self,
-        estimator: str = "k1",
+        estimator: SampledEstimatorName = "k1",
         controller: Optional[KLController] = None,
         scores_key: str = "scores",
         logprobs_key: str = "logprobs",

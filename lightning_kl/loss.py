@@ -11,9 +11,10 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_kl.accumulation import check_accumulate_grad_batches
-from lightning_kl.estimators import parse_estimator
+from lightning_kl.estimators import EstimatorName, parse_estimator
 from lightning_kl.functional import aggregate, aggregate_counts, check_old_logprob, check_pair, kl_penalty_compute
 from lightning_kl.ground.checks import (
+    AggMode,
     check_agg_mode,
     check_count,
     check_full_hidden_inputs,
@@ -29,6 +30,7 @@ from lightning_kl.logprobs import FromHidden
 from lightning_kl.metric import KLMetric
 from lightning_kl.running import TrainerLookup
 from lightning_kl.sequence import (
+    Level,
     check_kl_to_go,
     check_level,
     check_sampled_logprob,
@@ -58,7 +60,8 @@ class KLPenaltyLoss(nn.Module):
         estimator: one of :data:`lightning_kl.ESTIMATORS`; ``+`` names carry the k2 gradient, the
             unbiased gradient of the KL for on-policy samples. Validated here.
         coef: the loss coefficient (``>= 0``).
-        agg: one of :data:`lightning_kl.AGG_MODES`.
+        agg: one of :data:`lightning_kl.AGG_MODES`; ``None`` (the default) is ``"token-mean"``, with a
+            warning at ``level="sequence"``, where that mode is exact only for a fixed token count.
         agg_norm: the constant divisor of ``seq-mean-token-sum-norm`` (default: the padded length).
         global_batch: normalize as one process over the global batch of every data parallel
             process. When ``torch.distributed`` is initialized, forward sums the (detached) counts
@@ -128,19 +131,19 @@ class KLPenaltyLoss(nn.Module):
 
     def __init__(
         self,
-        estimator: str = "k3+",
+        estimator: EstimatorName = "k3+",
         coef: float = 0.001,
-        agg: str = "token-mean",
+        agg: Optional[AggMode] = None,
         agg_norm: Optional[float] = None,
         global_batch: bool = False,
         max_weight: Optional[float] = None,
         temperature: float = 1.0,
-        level: str = "token",
+        level: Level = "token",
         kl_to_go: str = "k1",
     ) -> None:
         super().__init__()
         self.spec = parse_estimator(estimator)
-        self.agg = check_agg_mode(agg)
+        self.agg = check_agg_mode("token-mean" if agg is None else agg)
         if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not math.isfinite(coef) or coef < 0:
             raise ValueError(f"`coef` must be a finite number >= 0, got {coef!r}.")
         if agg_norm is not None and not (isinstance(agg_norm, (int, float)) and agg_norm > 0):
@@ -157,6 +160,13 @@ class KLPenaltyLoss(nn.Module):
         self.level = check_level(level)
         if self.level == "sequence":
             check_sequence_agg(self.agg)
+            if agg is None:
+                rank_zero_warn(
+                    "KLPenaltyLoss(level='sequence') without `agg` uses agg='token-mean', which is exact at the "
+                    "sequence level only when every batch holds the same number of valid tokens. Pass "
+                    "agg='seq-mean-token-sum' (the mean KL per response), 'token-sum' or 'seq-mean-token-sum-norm' "
+                    "for responses of any length, or agg='token-mean' explicitly for a fixed token count."
+                )
         self.kl_to_go = check_kl_to_go(kl_to_go, self.level, self.spec.base == "full")
         self.metric = KLMetric()
         self._warned_micro_counts = False

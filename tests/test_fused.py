@@ -16,6 +16,9 @@ from lightning_kl.kernels import fused as _fused
 from lightning_kl.estimators import parse_estimator
 from lightning_kl.functional import kl_penalty_compute
 
+# gradients toward the reference are checked here on purpose: its warning is expected
+pytestmark = pytest.mark.filterwarnings("ignore:`ref_[a-z]*` requires grad")
+
 SAMPLED = getattr(lk, "SAMPLED_ESTIMATORS", lk.ESTIMATORS)
 
 

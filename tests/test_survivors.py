@@ -17,6 +17,9 @@ from lightning_kl.accumulation import check_accumulate_grad_batches
 from lightning_kl.functional import aggregate_counts
 from lightning_kl.kernels.rows import Rows
 
+# gradients toward the reference are checked here on purpose: its warning is expected
+pytestmark = pytest.mark.filterwarnings("ignore:`ref_[a-z]*` requires grad")
+
 F64 = torch.float64
 
 

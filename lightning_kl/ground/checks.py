@@ -8,13 +8,15 @@ values (that would synchronize with the device), except where a value check is t
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+import warnings
+from typing import Any, Literal, Optional, Union
 
 import torch
 from torch import Tensor
 
 __all__ = [
     "AGG_MODES",
+    "AggMode",
     "check_agg_mode",
     "check_count",
     "check_floating",
@@ -29,6 +31,7 @@ __all__ = [
     "check_temperature",
     "check_tokens",
     "compute_dtype",
+    "warn_if_reference_requires_grad",
     "reject_old_logprob",
 ]
 
@@ -40,6 +43,10 @@ AGG_MODES: tuple[str, ...] = (
     "seq-mean-token-mean",
     "seq-mean-token-sum-norm",
 )
+
+#: The type of an ``agg`` argument: one of :data:`AGG_MODES`, listed by LightningCLI's ``--help``; any
+#: other string is refused when the object is built, by a message that lists the valid modes.
+AggMode = Union[Literal[AGG_MODES], str]  # type: ignore[valid-type]
 
 
 def compute_dtype(*tensors: Tensor) -> torch.dtype:
@@ -53,7 +60,13 @@ def compute_dtype(*tensors: Tensor) -> torch.dtype:
 def check_floating(name: str, x: object) -> Tensor:
     """``x`` if it is a floating point tensor; else ``TypeError`` naming ``name``."""
     if not isinstance(x, Tensor):
-        raise TypeError(f"`{name}` must be a torch.Tensor, got {type(x).__name__}.")
+        hint = ""
+        if isinstance(x, tuple) and hasattr(x, "hidden"):  # an lk.FromHidden, which this layer does not import
+            hint = (
+                " Hidden states and an LM head (`lk.FromHidden`) go to `lk.full_kl_from_hidden(hidden, weight, "
+                "ref_hidden, ref_weight, mask)`, or to `KLPenaltyLoss('full')` as one `lk.FromHidden` per model."
+            )
+        raise TypeError(f"`{name}` must be a torch.Tensor, got {type(x).__name__}.{hint}")
     if not x.is_floating_point():
         raise TypeError(f"`{name}` must be a floating point tensor, got dtype {x.dtype}.")
     return x
@@ -137,6 +150,25 @@ def check_mask_values(mask: Tensor) -> Tensor:
     return mask != 0
 
 
+def warn_if_reference_requires_grad(name: str, reference: object) -> None:
+    """Warn (once per ``name``: Python shows a warning once per message) if the reference carries a graph.
+
+    A ``ref_logprob`` that requires grad makes the KL term train the reference, or whatever computed
+    it (forgotten ``torch.no_grad()``, the adapters left on), and keeps its graph in memory. Where that
+    is intended: ``warnings.filterwarnings("ignore", message="`ref_logprob` requires grad")`` (or
+    ``ref_logits``, ``ref_hidden``).
+    """
+    if isinstance(reference, Tensor) and reference.requires_grad:
+        warnings.warn(
+            f"`{name}` requires grad: the KL term would train the reference (or the model that computed it) "
+            f"toward the policy, and keep its graph. Compute `{name}` under `torch.no_grad()` or pass "
+            f"`{name}.detach()`; if the reference is meant to train, silence this with "
+            f"`warnings.filterwarnings('ignore', message='`{name}` requires grad')`.",
+            UserWarning,
+            stacklevel=4,
+        )
+
+
 def check_full_inputs(logits: Any, ref_logits: Any, mask: Optional[Tensor]) -> Optional[Tensor]:
     """Check ``logits``, ``ref_logits`` ``[..., V]`` and ``mask`` ``[...]``; return the mask as bool.
 
@@ -145,6 +177,7 @@ def check_full_inputs(logits: Any, ref_logits: Any, mask: Optional[Tensor]) -> O
         ValueError: for shapes or devices that do not match (both are named).
     """
     check_matching("logits", logits, "ref_logits", ref_logits)
+    warn_if_reference_requires_grad("ref_logits", ref_logits)
     assert isinstance(logits, Tensor)
     if logits.ndim == 0:
         raise ValueError("'full' takes logits `[..., V]` with a vocabulary dimension, got a scalar.")
@@ -317,6 +350,7 @@ def check_full_hidden_inputs(
     """
     check_head(hidden, weight, bias)
     check_head(ref_hidden, ref_weight, ref_bias, prefix="ref_")
+    warn_if_reference_requires_grad("ref_hidden", ref_hidden)
     lead, vocab = hidden.shape[:-1], weight.shape[0]
     if ref_hidden.shape[:-1] != lead or ref_weight.shape[0] != vocab:
         raise ValueError(
