@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 from torch.testing import assert_close
 
+import _reference as reference
 import lightning_kl as lk
 
 # gradients toward the reference are checked here on purpose: its warning is expected
@@ -289,9 +290,15 @@ def test_half_precision_inputs_are_computed_in_float32(name: str, dtype: torch.d
         assert torch.equal(loss_h, loss_f)  # the same float32 maths on the same values
         assert g_lp_h.dtype == dtype and torch.equal(g_lp_h, g_lp_f.to(dtype))
         assert torch.equal(g_ref_h, g_ref_f.to(dtype))
-        # and float32 accuracy against float64 maths of the half values
-        loss_64 = loss_and_grads(name, agg, b["logprob"].double(), b["ref_logprob"].double(), b["mask"])[0]
-        assert_close(loss_h.double(), loss_64, rtol=2e-6, atol=1e-7)
+        # and float32 accuracy against float64 maths of the half values, from the formulas
+        d = torch.where(b["mask"], b["logprob"].double() - b["ref_logprob"].double(), 0.0)
+        w = 0.7 * reference.weights(b["mask"], agg)
+        assert_close(loss_h.double(), (w * reference.value(name, d)).sum(), rtol=2e-6, atol=1e-7)
+        want_grad = w * reference.grad(name, d)
+        # float32 maths rounded to the half dtype: within one of its rounding steps
+        eps = torch.finfo(dtype).eps
+        assert_close(g_lp_h.double(), want_grad, rtol=eps, atol=1e-12)
+        assert_close(g_ref_h.double(), -want_grad, rtol=eps, atol=1e-12)
     cb = lk.KLRewardCallback(name, lk.FixedKLController(0.3))
     half = {"scores": b["scores"], "logprobs": b["logprob"], "ref_logprobs": b["ref_logprob"], "mask": b["mask"]}
     full = {"scores": as32["scores"], "logprobs": as32["logprob"], "ref_logprobs": as32["ref_logprob"], "mask": b["mask"]}

@@ -455,6 +455,22 @@ def test_loss_is_coef_times_aggregate_of_the_functional():
     (g2,) = torch.autograd.grad(want, lp)
     assert_close(loss, want)
     assert_close(g1, g2)
+    # and both against float64 maths of the module's formulas, token by token: per-decision weights
+    # rho_t = min(exp(sum_{u <= t} log w_u), 2) over valid tokens, value rho_t * k3(d_t), gradient
+    # rho_t * d_t (k3+, detached weight) plus the KL-to-go sum_{s > t} rho_s d_s; seq-mean-token-sum
+    want_loss, want_grad, rows = 0.0, torch.zeros(4, 6, dtype=torch.float64), 0
+    for i in range(4):
+        valid = [t for t in range(6) if mask[i, t]]
+        rows += bool(valid)
+        log_rho, rho, dd = 0.0, {}, {}
+        for t in valid:
+            log_rho += float(lp[i, t] - old[i, t])
+            rho[t], dd[t] = min(math.exp(log_rho), 2.0), float(lp[i, t] - ref[i, t])
+            want_loss += rho[t] * (math.exp(-dd[t]) + dd[t] - 1)
+        for t in valid:
+            want_grad[i, t] = rho[t] * dd[t] + sum(rho[s] * dd[s] for s in valid if s > t)
+    assert loss.item() == pytest.approx(0.5 * want_loss / rows, rel=1e-12)
+    assert_close(g1, 0.5 * want_grad / rows, rtol=1e-12, atol=1e-14)
 
 
 # ---------------------------------------------------------------------------------------------
