@@ -100,7 +100,7 @@ def _eos_hits(responses: Tensor, eos_token_id: Union[int, Sequence[int], Tensor]
         eos_token_id = eos_token_id.tolist()  # a tensor(2) or tensor([2, 7]) from a tokenizer or config
     ids = [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
     if not isinstance(ids, (list, tuple)) or not ids or any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
-        raise ValueError(f"`eos_token_id` must be an int, a non-empty list of ints or an integer tensor, got {eos_token_id!r}.")
+        raise ValueError(f"`eos_token_id` must be an int or a non-empty list of ints (or an integer tensor of them), got {eos_token_id!r}.")
     return torch.isin(responses, torch.tensor(ids, device=responses.device))
 
 
@@ -211,10 +211,10 @@ def response_logprobs(
             out of range or ``temperature`` is not a finite number > 0 (before the forward pass).
     """
     if sequences.dim() != 2 or attention_mask.shape != sequences.shape:
-        what = "2-D" if attention_mask.shape == sequences.shape else "of one shape"
+        hint = _batched_twice("sequences", sequences, 2) or (" They must be 2-D." if attention_mask.shape == sequences.shape else "")
         raise ValueError(
-            f"`sequences` and `attention_mask` must both be [b, p + t] ({what}), got shapes {tuple(sequences.shape)} "
-            f"and {tuple(attention_mask.shape)}.{_batched_twice('sequences', sequences, 2)}"
+            f"`sequences` and `attention_mask` must both be [b, p + t], got shapes {tuple(sequences.shape)} "
+            f"and {tuple(attention_mask.shape)}.{hint}"
         )
     _check_prompt_length(prompt_length, sequences.shape[1], "sequences")
     temperature = check_temperature(temperature)  # before the forward pass, not after it

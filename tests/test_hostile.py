@@ -118,6 +118,7 @@ def test_fully_padded_batch_gives_zero_and_zero_gradients(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", SAMPLED)
+@pytest.mark.filterwarnings("ignore:Anomaly Detection has been enabled", "ignore:Error detected in")  # asked for
 def test_nan_on_a_valid_token_propagates_to_loss_and_gradients(name: str) -> None:
     b = batch()
     for key in ("logprob", "ref_logprob"):
@@ -171,6 +172,7 @@ class PolicyModule(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+@pytest.mark.filterwarnings("ignore:Anomaly Detection has been enabled", "ignore:Error detected in")  # asked for
 @pytest.mark.parametrize("name", ["k1", "abs", "k3", "low_var_kl", "k3+"])
 def test_lightning_detect_anomaly_catches_a_nan_reference_logprob(name: str, quiet_trainer: Any) -> None:
     # the gradients of k1 (1), abs (sign(nan) = 0) and the clamped k3 / low_var_kl (0) ignore a NaN:

@@ -183,7 +183,7 @@ def test_no_data_is_nan_in_the_metric_and_zero_in_the_loss() -> None:
 
 def test_hf_names_a_batch_batched_twice_and_takes_a_tensor_eos_id() -> None:
     seq = torch.tensor([[[3, 4, 5, 2, 0]]])  # [1, b, p + t]: a DataLoader with batch_size=1 over a batch
-    with pytest.raises(ValueError, match=r"\(2-D\), got shapes \(1, 1, 5\) and \(1, 1, 5\)\. .*batch_size=None"):
+    with pytest.raises(ValueError, match=r"both be \[b, p \+ t\], got shapes \(1, 1, 5\) and \(1, 1, 5\)\. .*batch_size=None"):
         lk.hf.response_logprobs(None, seq, torch.ones_like(seq), 2)
     with pytest.raises(ValueError, match=r"`responses` must be \[b, t\], got shape \(1, 1, 5\)\. .*batch_size=None"):
         lk.hf.response_mask(seq, 2)
@@ -233,6 +233,6 @@ class _Configured(pl.LightningModule):
 def test_a_bad_name_in_yaml_fails_with_our_message(key: str, value: str, message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sys, "argv", ["cli.py"])
     path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump({"model": {key: value}}))
+    path.write_text(yaml.safe_dump({"seed_everything": 0, "model": {key: value}}))
     with pytest.raises(ValueError, match=message):  # not the parser's SystemExit and usage text
         LightningCLI(_Configured, args=["--config", str(path)], run=False)

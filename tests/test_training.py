@@ -20,6 +20,9 @@ from torch.testing import assert_close
 
 import lightning_kl as lk
 
+# the example's OnPolicyRollouts has a length on purpose (no prefetch): Lightning's remark about it is expected
+pytestmark = pytest.mark.filterwarnings("ignore:Your `IterableDataset` has `__len__` defined")
+
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLED = getattr(lk, "SAMPLED_ESTIMATORS", lk.ESTIMATORS)
 
