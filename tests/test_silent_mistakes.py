@@ -8,6 +8,9 @@ LightningCLI YAML file, a bad name whose error is ours, after a ``--help`` that 
 
 from __future__ import annotations
 
+import copy
+import math
+import pickle
 import sys
 import warnings
 from pathlib import Path
@@ -57,6 +60,9 @@ def test_the_loss_reads_the_trainers_accumulation_and_the_totals_alone_are_exact
     for mode, got, want in zip(lk.AGG_MODES, model.grads[0], big_batch_grads()):
         # without k the loss would be k times too small in every mode
         assert_close(got, want, rtol=0, atol=1e-12, msg=lambda m, mode=mode: f"{mode}: {m}")
+    # the loss remembers the module it found, weakly: it still pickles and copies (without it)
+    for clone in (pickle.loads(pickle.dumps(model.losses[0])), copy.deepcopy(model.losses[0])):
+        assert clone(torch.zeros(2, 3), torch.ones(2, 3)).item() == pytest.approx(0.5 * (math.e - 2), rel=1e-6)  # k3(-1)
 
 
 def test_forgetting_the_recipe_under_accumulation_is_warned_once_per_mode(quiet_trainer: Any) -> None:
