@@ -32,8 +32,8 @@ __all__ = [
     "check_temperature",
     "check_tokens",
     "compute_dtype",
-    "warn_if_reference_requires_grad",
     "reject_old_logprob",
+    "warn_if_reference_requires_grad",
 ]
 
 #: The aggregation modes accepted by :func:`lightning_kl.aggregate` (verl's names and semantics).
@@ -152,7 +152,7 @@ def check_mask_values(mask: Tensor) -> Tensor:
 
 
 def warn_if_reference_requires_grad(name: str, reference: object) -> None:
-    """Warn (once per ``name``: Python shows a warning once per message) if the reference carries a graph.
+    """Warn if the reference carries a graph (Python's default filter shows it once per calling line).
 
     A ``ref_logprob`` that requires grad makes the KL term train the reference, or whatever computed
     it (forgotten ``torch.no_grad()``, the adapters left on), and keeps its graph in memory. Where that
