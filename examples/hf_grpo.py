@@ -305,10 +305,10 @@ class HFGRPO(pl.LightningModule):
         lora_alpha: int = 16,
         lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
         lr: float = 3e-3,
-        kl_estimator: str = "k3+",
+        kl_estimator: lk.EstimatorName = "k3+",
         kl_coef: float = 0.3,
-        kl_agg: str = "seq-mean-token-sum",
-        kl_level: str = "sequence",
+        kl_agg: lk.AggMode = "seq-mean-token-sum",
+        kl_level: lk.Level = "sequence",
         kl_to_go: str = "k1",
         clip_eps: float = 0.2,
     ) -> None:

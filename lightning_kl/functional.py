@@ -32,6 +32,7 @@ from lightning_kl.ground.checks import (
     check_sampled_temperature,
     compute_dtype,
     reject_old_logprob,
+    warn_if_reference_requires_grad,
 )
 from lightning_kl.kernels import fused
 from lightning_kl.kernels.full import full_kl_compute
@@ -234,8 +235,9 @@ def importance_weight(log_w: Tensor, spec: EstimatorSpec, max_weight: Optional[f
 
 
 def check_pair(logprob: object, ref_logprob: object) -> None:
-    """``logprob`` and ``ref_logprob``: floating tensors of one shape on one device."""
+    """``logprob`` and ``ref_logprob``: floating tensors of one shape on one device; warns if the reference requires grad."""
     check_matching("logprob", logprob, "ref_logprob", ref_logprob)
+    warn_if_reference_requires_grad("ref_logprob", ref_logprob)
 
 
 def check_old_logprob(old_logprob: Optional[Tensor], logprob: Tensor) -> None:

@@ -10,9 +10,10 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_kl.accumulation import check_accumulate_grad_batches
-from lightning_kl.estimators import parse_estimator
+from lightning_kl.estimators import EstimatorName, parse_estimator
 from lightning_kl.functional import aggregate, aggregate_counts, check_old_logprob, check_pair, kl_penalty_compute
 from lightning_kl.ground.checks import (
+    AggMode,
     check_agg_mode,
     check_count,
     check_full_hidden_inputs,
@@ -27,7 +28,9 @@ from lightning_kl.ground.parallel import check_parallel_args, data_parallel_grou
 from lightning_kl.kernels.full import full_kl_compute, full_kl_from_hidden_compute
 from lightning_kl.logprobs import FromHidden
 from lightning_kl.metric import KLMetric
+from lightning_kl.running import TrainerLookup
 from lightning_kl.sequence import (
+    Level,
     check_kl_to_go,
     check_level,
     check_sampled_logprob,
@@ -57,7 +60,8 @@ class KLPenaltyLoss(nn.Module):
         estimator: one of :data:`lightning_kl.ESTIMATORS`; ``+`` names carry the k2 gradient, the
             unbiased gradient of the KL for on-policy samples. Validated here.
         coef: the loss coefficient (``>= 0``).
-        agg: one of :data:`lightning_kl.AGG_MODES`.
+        agg: one of :data:`lightning_kl.AGG_MODES`; ``None`` (the default) is ``"token-mean"``, with a
+            warning at ``level="sequence"``, where that mode is exact only for a fixed token count.
         agg_norm: the constant divisor of ``seq-mean-token-sum-norm`` (default: the padded length).
         global_batch: normalize as one process over the global batch of every data parallel
             replica. When ``torch.distributed`` is initialized, forward sums the (detached) counts
@@ -134,14 +138,14 @@ class KLPenaltyLoss(nn.Module):
 
     def __init__(
         self,
-        estimator: str = "k3+",
+        estimator: EstimatorName = "k3+",
         coef: float = 0.001,
-        agg: str = "token-mean",
+        agg: Optional[AggMode] = None,
         agg_norm: Optional[float] = None,
         global_batch: bool = False,
         max_weight: Optional[float] = None,
         temperature: float = 1.0,
-        level: str = "token",
+        level: Level = "token",
         kl_to_go: str = "k1",
         process_group: Any = None,
         device_mesh: Any = None,
@@ -151,7 +155,7 @@ class KLPenaltyLoss(nn.Module):
         self.process_group = process_group
         self.device_mesh = device_mesh
         self.spec = parse_estimator(estimator)
-        self.agg = check_agg_mode(agg)
+        self.agg = check_agg_mode("token-mean" if agg is None else agg)
         if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not math.isfinite(coef) or coef < 0:
             raise ValueError(f"`coef` must be a finite number >= 0, got {coef!r}.")
         if agg_norm is not None and not (isinstance(agg_norm, (int, float)) and agg_norm > 0):
@@ -168,9 +172,17 @@ class KLPenaltyLoss(nn.Module):
         self.level = check_level(level)
         if self.level == "sequence":
             check_sequence_agg(self.agg)
+            if agg is None:
+                rank_zero_warn(
+                    "KLPenaltyLoss(level='sequence') without `agg` uses agg='token-mean', which is exact at the "
+                    "sequence level only when every batch holds the same number of valid tokens. Pass "
+                    "agg='seq-mean-token-sum' (the mean KL per response), 'token-sum' or 'seq-mean-token-sum-norm' "
+                    "for responses of any length, or agg='token-mean' explicitly for a fixed token count."
+                )
         self.kl_to_go = check_kl_to_go(kl_to_go, self.level, self.spec.base == "full")
         self.metric = KLMetric(process_group=process_group, device_mesh=device_mesh)
         self._warned_micro_counts = False
+        self._lookup = TrainerLookup()
 
     @property
     def estimator(self) -> str:
@@ -186,7 +198,7 @@ class KLPenaltyLoss(nn.Module):
         *,
         num_tokens: Optional[Tensor | float] = None,
         num_seqs: Optional[Tensor | float] = None,
-        accumulate_grad_batches: int = 1,
+        accumulate_grad_batches: Optional[int] = None,
         sampled_logprob: Optional[Tensor] = None,
     ) -> Tensor:
         """The scalar KL loss; ``old_logprob`` (the sampling policy's) importance weights it.
@@ -198,13 +210,17 @@ class KLPenaltyLoss(nn.Module):
 
         Gradient accumulation (``Trainer(accumulate_grad_batches=k)``): give the optimizer step's
         totals over its ``k`` micro-batches, ``num_tokens`` (valid tokens) and ``num_seqs``
-        (sequences with a valid token), e.g. from :func:`~lightning_kl.step_totals`, and
-        ``accumulate_grad_batches=self.trainer.accumulate_grad_batches``. The loss then divides by
+        (sequences with a valid token), e.g. from :func:`~lightning_kl.step_totals`. The loss then divides by
         the step's totals instead of the micro-batch's and is multiplied by ``k``, which Lightning
         divides back out, so that the accumulated gradient is that of one batch holding the ``k``
         micro-batches, in every ``agg`` mode. With ``global_batch=True`` the totals are this
         process's and are summed over processes (as the micro-batch counts are otherwise). With
         ``k > 1`` and no total for a mode that divides by one, a warning is given once.
+
+        ``accumulate_grad_batches`` defaults to the Trainer's while a Trainer trains the
+        ``LightningModule`` whose ``training_step`` (or a method it calls) calls this loss: found once
+        from the caller's ``self`` (:mod:`lightning_kl.running`), so that forgetting the totals is
+        warned about. Outside a Trainer it is 1; pass it to skip the lookup.
         """
         from_hidden = isinstance(logprob, FromHidden), isinstance(ref_logprob, FromHidden)
         if any(from_hidden) and not (self.spec.base == "full" and all(from_hidden)):
@@ -236,13 +252,20 @@ class KLPenaltyLoss(nn.Module):
             kl = kl_penalty_compute(
                 logprob, ref_logprob, self.spec, mask, old_logprob, self.max_weight, self.level, self.kl_to_go
             )
-        k = check_accumulate_grad_batches(accumulate_grad_batches)
+        k = check_accumulate_grad_batches(self._trainer_accumulation() if accumulate_grad_batches is None else accumulate_grad_batches)
         given = (num_tokens, num_seqs)
         for name, n in zip(("num_tokens", "num_seqs"), given):
             check_count(name, n)
         self._warn_if_micro_batch_counts(k, given)
         self.metric(kl.detach(), mask)
         return self.coef * self._aggregate(kl, mask, given, k)
+
+    def _trainer_accumulation(self) -> int:
+        # the Trainer's accumulate_grad_batches while it trains the LightningModule calling this loss
+        trainer = self._lookup.trainer()
+        if trainer is None or not getattr(trainer, "training", False):
+            return 1
+        return getattr(trainer, "accumulate_grad_batches", 1)
 
     def _warn_if_micro_batch_counts(self, k: int, given: tuple[Any, Any]) -> None:
         needed = _COUNT_OF_MODE.get(self.agg)
@@ -254,8 +277,8 @@ class KLPenaltyLoss(nn.Module):
             f"KLPenaltyLoss(agg={self.agg!r}) is accumulating gradients over {k} micro-batches but got no "
             f"`{name}`: each micro-batch divides by its own count, so the accumulated gradient weighs the "
             f"micro-batches equally instead of every {'token' if needed == 0 else 'sequence'} of the optimizer "
-            f"step. Pass the step's totals: `{name}=lk.step_totals(masks)[{name!r}]` (see the README, "
-            "'Running at scale')."
+            f"step. Pass the step's totals: `{name}=lk.step_totals(masks)[{name!r}]` (see the docs, "
+            "'Running at scale', gradient accumulation)."
         )
 
     def _aggregate(self, kl: Tensor, mask: Optional[Tensor], given: tuple[Any, Any] = (None, None), k: int = 1) -> Tensor:

@@ -25,8 +25,8 @@ def _kl_metric_update(values: Tensor, mask: Optional[Tensor]) -> tuple[Tensor, T
 
 
 def _kl_metric_compute(total: Tensor, count: Tensor) -> Tensor:
-    """Token-mean as float32 (accumulated in float64); 0 when no token was seen."""
-    return (total / count.clamp(min=1)).to(torch.float32)
+    """Token-mean as float32 (accumulated in float64); NaN when no token was seen (no data, not a KL of 0)."""
+    return (total / count).to(torch.float32)
 
 
 class KLMetric(Metric):
@@ -48,6 +48,20 @@ class KLMetric(Metric):
         device_mesh: the same as a ``DeviceMesh``: 1-D, or with a ``"data_parallel"`` dimension.
         kwargs: torchmetrics' ``Metric`` arguments.
 
+    **No data is NaN**: with no valid token since the last reset (an empty or fully masked batch,
+    when logged per step) the result is NaN, as ``KLRewardCallback`` logs for a global batch with no
+    valid token; a KL of 0 would read as "the policy is the reference". The loss itself is 0 there.
+
+    Log it from a ``LightningModule`` by calling it, then passing the metric object to ``self.log``:
+    the call returns the batch's value (logged per step) and accumulates (logged per epoch, and
+    reduced across processes). ``update`` alone accumulates but gives nothing to log per step::
+
+        self.metric(values, mask)
+        self.log("train/kl", self.metric)
+
+    :class:`~lightning_kl.KLPenaltyLoss` calls its own :attr:`~lightning_kl.KLPenaltyLoss.metric`
+    in forward: log it with ``self.log("train/kl", self.kl.metric)``.
+
     ``update(values, mask=None)``: ``values`` is ``[..., t]`` (any floating dtype, detached here),
     ``mask`` the same shape (bool, or 0/1 numbers).
 
@@ -57,6 +71,10 @@ class KLMetric(Metric):
         >>> metric.update(torch.tensor([2.0]))
         >>> metric.compute()  # (0.5 + 1.5 + 2.0) / 3
         tensor(1.3333)
+        >>> metric(torch.tensor([1.0, 4.0]), torch.tensor([False, True]))  # this batch: 4.0; accumulates
+        tensor(4.)
+        >>> metric(torch.tensor([1.0]), torch.tensor([False]))  # a batch with no valid token: no data
+        tensor(nan)
     """
 
     is_differentiable = False

@@ -27,6 +27,12 @@ from torch.testing import assert_close
 
 import lightning_kl as lk
 
+# gradients toward the reference are compared on purpose, and the example's rollouts have a length
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:`ref_[a-z]*` requires grad"),
+    pytest.mark.filterwarnings("ignore:Your `IterableDataset` has `__len__` defined"),
+]
+
 ROOT = Path(__file__).resolve().parent.parent
 GUIDE = ROOT / "docs" / "migration.md"
 

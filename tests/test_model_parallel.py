@@ -216,6 +216,10 @@ def test_a_group_and_a_mesh_together_are_refused() -> None:
         check_parallel_args(object(), object())
 
 
+@pytest.mark.filterwarnings(
+    "ignore:LightningCLI's args parameter is intended",  # the config is parsed in-process on purpose
+    "ignore:(?s).*Dump of a value that does not round-trip",  # the example's tuple of LoRA target names
+)
 def test_the_fsdp2_example_config_makes_a_model_parallel_trainer_of_2_processes() -> None:
     from lightning.pytorch.strategies import ModelParallelStrategy
 

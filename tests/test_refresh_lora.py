@@ -97,6 +97,7 @@ class LoRAModule(pl.LightningModule):
         return torch.optim.Adam([p for p in self.policy.parameters() if p.requires_grad], lr=0.01)
 
 
+@pytest.mark.filterwarnings("ignore:Found [0-9]* module\\(s\\) in eval mode")  # the tiny HF model, dropout off
 def test_lora_hard_reset_in_a_trainer_the_next_reference_is_the_pre_reset_policy(tmp_path: Path) -> None:
     probe = torch.randint(3, 12, (3, 6), generator=torch.Generator().manual_seed(7))
     seen: dict[str, list[Tensor]] = {"pre": [], "post": [], "post_ref": []}
@@ -128,6 +129,11 @@ def test_lora_hard_reset_in_a_trainer_the_next_reference_is_the_pre_reset_policy
     assert moved and all("q_proj" in n or "v_proj" in n for n in moved)  # only the adapted weights moved
 
 
+@pytest.mark.filterwarnings(
+    "ignore:Found [0-9]* module\\(s\\) in eval mode",  # the tiny HF model, dropout off
+    "ignore:You're resuming from a checkpoint that ended before",  # a mid-epoch resume on purpose
+    "ignore:Checkpoint directory .* exists and is not empty",  # the second run writes where the first did
+)
 def test_lora_resume_restores_the_folded_base_weights_and_the_schedule(tmp_path: Path) -> None:
     from lightning.pytorch.callbacks import ModelCheckpoint
 

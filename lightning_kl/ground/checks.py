@@ -8,13 +8,15 @@ values (that would synchronize with the device), except where a value check is t
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+import warnings
+from typing import Any, Literal, Optional, Union
 
 import torch
 from torch import Tensor
 
 __all__ = [
     "AGG_MODES",
+    "AggMode",
     "check_agg_mode",
     "check_count",
     "check_floating",
@@ -22,6 +24,7 @@ __all__ = [
     "check_full_inputs",
     "check_head",
     "check_mask",
+    "check_mask_values",
     "check_matching",
     "check_max_weight",
     "check_sampled_temperature",
@@ -30,6 +33,7 @@ __all__ = [
     "check_tokens",
     "compute_dtype",
     "reject_old_logprob",
+    "warn_if_reference_requires_grad",
 ]
 
 #: The aggregation modes accepted by :func:`lightning_kl.aggregate` (verl's names and semantics).
@@ -40,6 +44,10 @@ AGG_MODES: tuple[str, ...] = (
     "seq-mean-token-mean",
     "seq-mean-token-sum-norm",
 )
+
+#: The type of an ``agg`` argument: one of :data:`AGG_MODES`, listed by LightningCLI's ``--help``; any
+#: other string is refused when the object is built, by a message that lists the valid modes.
+AggMode = Union[Literal[AGG_MODES], str]  # type: ignore[valid-type]
 
 
 def compute_dtype(*tensors: Tensor) -> torch.dtype:
@@ -53,7 +61,13 @@ def compute_dtype(*tensors: Tensor) -> torch.dtype:
 def check_floating(name: str, x: object) -> Tensor:
     """``x`` if it is a floating point tensor; else ``TypeError`` naming ``name``."""
     if not isinstance(x, Tensor):
-        raise TypeError(f"`{name}` must be a torch.Tensor, got {type(x).__name__}.")
+        hint = ""
+        if isinstance(x, tuple) and hasattr(x, "hidden"):  # an lk.FromHidden, which this layer does not import
+            hint = (
+                " Hidden states and an LM head (`lk.FromHidden`) go to `lk.full_kl_from_hidden(hidden, weight, "
+                "ref_hidden, ref_weight, mask)`, or to `KLPenaltyLoss('full')` as one `lk.FromHidden` per model."
+            )
+        raise TypeError(f"`{name}` must be a torch.Tensor, got {type(x).__name__}.{hint}")
     if not x.is_floating_point():
         raise TypeError(f"`{name}` must be a floating point tensor, got dtype {x.dtype}.")
     return x
@@ -80,7 +94,9 @@ def check_mask(
 
     With ``without`` (e.g. ``"the vocabulary dimension"``) the mask has ``like``'s shape less its
     last dimension, and the error says so and gives the expected shape. A bool mask is used as is;
-    an integer or floating mask is read as ``mask != 0``.
+    an integer or floating mask must hold only 0 and 1 (:func:`check_mask_values`) and is read as
+    ``mask != 0``. A ``like`` with one more dimension than the mask looks like logits ``[..., V]``
+    where log-probs belong: the error says so.
     """
     if mask is None:
         return None
@@ -90,13 +106,68 @@ def check_mask(
     if mask.shape != expected:
         what = f"`{like_name}`" if without is None else f"`{like_name}` without {without}"
         hint = "" if without is None else f" (expected mask {tuple(expected)})"
+        if without is None and like.ndim == mask.ndim + 1 and like.shape[:-1] == mask.shape:
+            hint = (
+                f": `{like_name}` {tuple(like.shape)} looks like logits `[..., V]` where the sampled tokens' "
+                "log-probs `[..., t]` belong; compute those with `lk.token_logprobs(logits, tokens)`, or pass "
+                "the logits of both models to the 'full' estimator (`lk.full_kl`, `KLPenaltyLoss('full')`)"
+            )
         raise ValueError(
             f"`mask` must have the shape of {what}: got mask {tuple(mask.shape)} "
             f"and {like_name} {tuple(like.shape)}{hint}."
         )
     if mask.device != like.device:
         raise ValueError(f"`mask` is on {mask.device} but `{like_name}` is on {like.device}.")
-    return mask if mask.dtype == torch.bool else mask != 0
+    return mask if mask.dtype == torch.bool else check_mask_values(mask)
+
+
+_first_accelerator_mask = [True]  # on an accelerator, only the first non-bool mask is read (see below)
+
+
+def check_mask_values(mask: Tensor) -> Tensor:
+    """A non-bool mask as bool, after checking that it holds only 0 and 1: a mask is not a weight.
+
+    A mask of 0.5, 2 or -1 would otherwise be read as ``mask != 0``, silently. The check reads the
+    mask's values: on the CPU always (no device to wait for); on an accelerator it would make the
+    host wait for the device at every step, so there only the process's first non-bool mask is
+    checked (one host read, once). Bool masks (``lk.hf.response_mask``'s, ``mask.bool()``) skip it
+    and cost nothing.
+
+    Raises:
+        ValueError: naming a bad value and the mask's dtype.
+    """
+    accelerator = mask.device.type != "cpu"
+    if not accelerator or _first_accelerator_mask[0]:
+        bad = (mask != 0) & (mask != 1)
+        if bool(bad.any()):
+            value = mask[bad][0].item()
+            raise ValueError(
+                f"`mask` must hold only 0 and 1 (or be bool), got {value!r} in a {mask.dtype} mask: a mask "
+                "says which tokens count, it is not a weight. Pass `mask.bool()` for a 0/1 mask; to weight "
+                "tokens, multiply the per-token values before `lk.aggregate`."
+            )
+        if accelerator:
+            _first_accelerator_mask[0] = False
+    return mask != 0
+
+
+def warn_if_reference_requires_grad(name: str, reference: object) -> None:
+    """Warn if the reference carries a graph (Python's default filter shows it once per calling line).
+
+    A ``ref_logprob`` that requires grad makes the KL term train the reference, or whatever computed
+    it (forgotten ``torch.no_grad()``, the adapters left on), and keeps its graph in memory. Where that
+    is intended: ``warnings.filterwarnings("ignore", message="`ref_logprob` requires grad")`` (or
+    ``ref_logits``, ``ref_hidden``).
+    """
+    if isinstance(reference, Tensor) and reference.requires_grad:
+        warnings.warn(
+            f"`{name}` requires grad: the KL term would train the reference (or the model that computed it) "
+            f"toward the policy, and keep its graph. Compute `{name}` under `torch.no_grad()` or pass "
+            f"`{name}.detach()`; if the reference is meant to train, silence this with "
+            f"`warnings.filterwarnings('ignore', message='`{name}` requires grad')`.",
+            UserWarning,
+            stacklevel=4,
+        )
 
 
 def check_full_inputs(logits: Any, ref_logits: Any, mask: Optional[Tensor]) -> Optional[Tensor]:
@@ -107,6 +178,7 @@ def check_full_inputs(logits: Any, ref_logits: Any, mask: Optional[Tensor]) -> O
         ValueError: for shapes or devices that do not match (both are named).
     """
     check_matching("logits", logits, "ref_logits", ref_logits)
+    warn_if_reference_requires_grad("ref_logits", ref_logits)
     assert isinstance(logits, Tensor)
     if logits.ndim == 0:
         raise ValueError("'full' takes logits `[..., V]` with a vocabulary dimension, got a scalar.")
@@ -303,6 +375,7 @@ def check_full_hidden_inputs(
     """
     check_head(hidden, weight, bias)
     check_head(ref_hidden, ref_weight, ref_bias, prefix="ref_")
+    warn_if_reference_requires_grad("ref_hidden", ref_hidden)
     lead, vocab = hidden.shape[:-1], weight.shape[0]
     if ref_hidden.shape[:-1] != lead or ref_weight.shape[0] != vocab:
         raise ValueError(
