@@ -5,6 +5,7 @@ from lightning_kl.callback import KLRewardCallback
 from lightning_kl.controllers import AdaptiveKLController, FixedKLController, KLController
 from lightning_kl.estimators import BASE_ESTIMATORS, ESTIMATORS, SAMPLED_ESTIMATORS, EstimatorSpec, parse_estimator
 from lightning_kl import hf  # imports neither transformers nor peft
+from lightning_kl.ground.vocab_shards import VocabShard
 from lightning_kl.functional import AGG_MODES, aggregate, kl_penalty
 from lightning_kl.kernels.full import full_kl, full_kl_from_hidden
 from lightning_kl.logprobs import FromHidden, token_logprobs, token_logprobs_from_hidden
@@ -30,6 +31,7 @@ __all__ = [
     "LEVELS",
     "OnPolicyRollouts",
     "SAMPLED_ESTIMATORS",
+    "VocabShard",
     "aggregate",
     "full_kl",
     "full_kl_from_hidden",

@@ -24,7 +24,9 @@ import torch
 from torch import Tensor
 
 from lightning_kl.ground.checks import check_floating, check_head, check_temperature, check_tokens
+from lightning_kl.ground.vocab_shards import VocabShard, is_vocab_parallel
 from lightning_kl.kernels.logprobs import token_logprobs_from_hidden_kernel, token_logprobs_kernel
+from lightning_kl.kernels.vocab_parallel import vocab_parallel_token_logprobs
 
 __all__ = ["FromHidden", "token_logprobs", "token_logprobs_from_hidden"]
 
@@ -57,7 +59,7 @@ def _check_size(name: str, value: Any) -> Optional[int]:
 
 
 def token_logprobs(
-    logits: Tensor,
+    logits: Tensor | VocabShard,
     tokens: Tensor,
     temperature: float = 1.0,
     ignore_index: Optional[int] = None,
@@ -75,7 +77,9 @@ def token_logprobs(
 
     Args:
         logits: ``[..., V]`` floating point (float16, bfloat16, float32, float64); any layout
-            (``logits[:, :-1]`` is read in place, never copied whole).
+            (``logits[:, :-1]`` is read in place, never copied whole). Or logits split over the
+            vocabulary across a tensor parallel group, never gathered: a DTensor with ``Shard(-1)``
+            or a :class:`~lightning_kl.VocabShard` (see :mod:`lightning_kl.kernels.vocab_parallel`).
         tokens: ``[...]`` integer ids in ``[0, V)``.
         temperature: :math:`T > 0`, the sampling temperature.
         ignore_index: an id whose positions get log-prob 0 and exactly zero gradient (Hugging
@@ -101,6 +105,8 @@ def token_logprobs(
         >>> bool((logits.grad[1] == 0).all())  # the ignored token: zero gradient
         True
     """
+    if is_vocab_parallel(logits):  # split over the vocabulary (docs/scale.md): never gathered
+        return vocab_parallel_token_logprobs(logits, tokens, check_temperature(temperature), ignore_index, _check_size("chunk_size", chunk_size))
     check_floating("logits", logits)
     if logits.ndim == 0 or logits.shape[-1] == 0:
         raise ValueError(f"`logits` must be `[..., V]` with a vocabulary of V >= 1 entries, got shape {tuple(logits.shape)}.")

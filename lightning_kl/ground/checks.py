@@ -8,13 +8,17 @@ values (that would synchronize with the device), except where a value check is t
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
+from lightning_kl.ground.vocab_shards import local_logits
+
 __all__ = [
     "AGG_MODES",
+    "HOST_CHECK_DEVICES",
     "check_agg_mode",
     "check_count",
     "check_floating",
@@ -27,6 +31,7 @@ __all__ = [
     "check_sampled_temperature",
     "check_temperature",
     "check_tokens",
+    "check_values",
     "compute_dtype",
     "reject_old_logprob",
 ]
@@ -39,6 +44,25 @@ AGG_MODES: tuple[str, ...] = (
     "seq-mean-token-mean",
     "seq-mean-token-sum-norm",
 )
+
+#: Device types on which value checks (token ids in range) read the tensor on the host: on CPU that
+#: waits for nothing, and the error names the bad value. On other devices they run on the device
+#: (``torch._assert_async``): no host synchronization; a failed check stops the run with a
+#: device-side assertion naming the rule (not the value). Tests set it empty to run the device form.
+HOST_CHECK_DEVICES: frozenset[str] = frozenset({"cpu"})
+
+
+def check_values(bad: Tensor, host_error: Callable[[], Exception], rule: str) -> None:
+    """Fail if any element of the bool tensor ``bad`` is True, without a host read off the CPU.
+
+    On :data:`HOST_CHECK_DEVICES` raises ``host_error()`` (an error that names the value); elsewhere
+    asserts ``not bad.any()`` on the device with the message ``rule`` (a ``RuntimeError`` on CPU).
+    """
+    if bad.device.type in HOST_CHECK_DEVICES:
+        if bad.any():
+            raise host_error()
+    else:
+        torch._assert_async(~bad.any(), rule)
 
 
 def compute_dtype(*tensors: Tensor) -> torch.dtype:
@@ -105,6 +129,7 @@ def check_full_inputs(logits: Any, ref_logits: Any, mask: Optional[Tensor]) -> O
         TypeError: for inputs that are not floating point tensors, or a mask that is not a tensor.
         ValueError: for shapes or devices that do not match (both are named).
     """
+    logits, ref_logits = local_logits(logits), local_logits(ref_logits)  # a vocabulary shard: its local part
     check_matching("logits", logits, "ref_logits", ref_logits)
     assert isinstance(logits, Tensor)
     if logits.ndim == 0:
@@ -185,13 +210,14 @@ def reject_old_logprob(old_logprob: Any) -> None:
 
 
 def check_tokens(
-    tokens: Any, lead: torch.Size, vocab: int, device: torch.device, like: str, ignore_index: Any
+    tokens: Any, lead: torch.Size, vocab: Optional[int], device: torch.device, like: str, ignore_index: Any
 ) -> tuple[Tensor, Optional[Tensor]]:
     """Check ``tokens`` (integer ids of shape ``lead``) against a vocabulary of ``vocab`` entries.
 
     Returns the flat ``int64`` ids (ignored ones replaced by 0, so that they index safely) and the
-    flat bool mask of ignored tokens (None without ``ignore_index``). Costs one min/max over the ids
-    (a device sync on GPU).
+    flat bool mask of ignored tokens (None without ``ignore_index``). The range check is skipped for
+    ``vocab`` None (a vocabulary split over ranks: the kernel checks that one rank owns each id) and
+    never waits for the device (:func:`check_values`).
 
     Raises:
         TypeError: for ``tokens`` that are not an integer tensor, or a bad ``ignore_index``.
@@ -216,12 +242,11 @@ def check_tokens(
     if ignore_index is not None:
         ignored = ids == ignore_index
         ids = ids.masked_fill(ignored, 0)
-    if ids.numel() > 0:
-        lo, hi = torch.aminmax(ids)
-        if lo.item() < 0 or hi.item() >= vocab:
-            bad = int(ids[(ids < 0) | (ids >= vocab)][0])
-            hint = f" or `ignore_index` ({ignore_index})" if ignore_index is not None else " (set `ignore_index` for label padding such as -100)"
-            raise ValueError(f"token id {bad} is out of range for a vocabulary of V={vocab}: ids must be in [0, {vocab}){hint}.")
+    if vocab is not None and ids.numel() > 0:
+        out = (ids < 0) | (ids >= vocab)
+        hint = f" or `ignore_index` ({ignore_index})" if ignore_index is not None else " (set `ignore_index` for label padding such as -100)"
+        rule = f"token ids must be in [0, {vocab}){hint}"
+        check_values(out, lambda: ValueError(f"token id {int(ids[out][0])} is out of range for a vocabulary of V={vocab}: {rule}."), rule)
     return ids, ignored
 
 

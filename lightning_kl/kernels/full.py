@@ -51,7 +51,9 @@ from torch.autograd.function import once_differentiable
 
 from lightning_kl.ground.checks import check_full_hidden_inputs, check_full_inputs, check_temperature, compute_dtype
 from lightning_kl.ground.chunks import pool_active, run_chunks
+from lightning_kl.ground.vocab_shards import is_vocab_parallel
 from lightning_kl.kernels.rows import LinearRows, Rows
+from lightning_kl.kernels.vocab_parallel import vocab_parallel_full_kl
 
 __all__ = ["full_kl", "full_kl_compute", "full_kl_from_hidden", "full_kl_from_hidden_compute"]
 
@@ -91,7 +93,10 @@ def full_kl(
 
     Args:
         logits: ``[..., V]`` policy logits (any layout: non-contiguous slices such as
-            ``logits[:, :-1]`` are read in place, never copied whole).
+            ``logits[:, :-1]`` are read in place, never copied whole). Or logits split over the
+            vocabulary across a tensor parallel group, never gathered (both models split the same
+            way): DTensors with ``Shard(-1)`` or :class:`~lightning_kl.VocabShard` (see
+            :mod:`lightning_kl.kernels.vocab_parallel`).
         ref_logits: ``[..., V]`` reference logits.
         mask: optional ``[...]`` mask, True on valid tokens; 0 value and exactly 0 gradient elsewhere.
         temperature: :math:`T` in ``softmax(logits / T)``, the policy's sampling temperature (> 0).
@@ -131,6 +136,8 @@ def full_kl_compute(
     """:func:`full_kl` on checked inputs (``mask`` bool or None): the dispatch target of every caller."""
     temperature = check_temperature(temperature)
     _check_chunk_size(chunk_size)
+    if is_vocab_parallel(logits) or is_vocab_parallel(ref_logits):  # split over the vocabulary: never gathered
+        return vocab_parallel_full_kl(logits, ref_logits, mask, temperature, chunk_size)
     mask_flat = None if mask is None else mask.reshape(-1)
     return _FullKL.apply(logits, ref_logits, mask_flat, temperature, chunk_size)
 

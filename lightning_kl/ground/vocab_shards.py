@@ -1,0 +1,153 @@
+r"""Logits split over the vocabulary across a tensor parallel group: what a shard is, and how to find one.
+
+A tensor parallel LM head (``ColwiseParallel``) gives each rank of its group the logits of a slice
+of the vocabulary. Two forms are accepted wherever the package takes logits:
+
+* a DTensor with placement ``Shard(-1)`` on one mesh dimension (``Replicate()`` on any others), what
+  ``ColwiseParallel(use_local_output=False)`` returns and ``torch.distributed.tensor.parallel.loss_parallel``
+  takes; its group and this rank's vocabulary offset are read from the mesh (torch's split:
+  ``ceil(V / W)`` ids per rank, the last ranks' shards shorter or empty);
+* a :class:`VocabShard`: a plain local shard with its group and offset, for code that holds local
+  tensors (``use_local_output=True``, Megatron-style layers).
+
+:func:`as_vocab_shard` turns either into a :class:`VocabShard` (the DTensor's local tensor through
+``to_local()``, so that gradients flow back into the DTensor). Nothing here communicates.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+__all__ = ["VocabShard", "as_vocab_shard", "is_vocab_parallel", "local_logits"]
+
+
+class VocabShard(NamedTuple):
+    r"""This rank's shard of logits split over the vocabulary across a tensor parallel group.
+
+    Pass one per model in place of the logits to :func:`lightning_kl.token_logprobs`,
+    :func:`lightning_kl.full_kl`, :func:`lightning_kl.kl_penalty` (``"full"``) and
+    ``KLPenaltyLoss("full")``. Every rank of ``group`` calls with its own shard; the shards must
+    tile the vocabulary ``[0, V)`` without overlap (each token id owned by exactly one rank), which
+    :func:`lightning_kl.token_logprobs` checks. The results are the same on every rank of the group
+    (plain tensors), and so must be the gradients that flow back into them: compute the same loss
+    on every rank of the group, as tensor parallel training does.
+
+    Attributes:
+        logits: ``[..., V_local]`` this rank's logits for the ids ``offset ... offset + V_local - 1``
+            (``V_local`` may be 0).
+        group: the tensor parallel process group (``None``: the default group).
+        offset: the first vocabulary id of this shard (``rank * V_local`` for an even split).
+
+    Example:
+        >>> shard = VocabShard(torch.zeros(2, 3, 4), group=None, offset=8)
+        >>> shard.shape, shard.dtype  # the local shard's
+        (torch.Size([2, 3, 4]), torch.float32)
+    """
+
+    logits: Tensor
+    group: Any = None
+    offset: int = 0
+
+    # read by the shape checks shared with plain logits (the local shard's: its last dim is V_local)
+    @property
+    def shape(self) -> torch.Size:
+        return self.logits.shape
+
+    @property
+    def ndim(self) -> int:
+        return self.logits.ndim
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.logits.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.logits.device
+
+
+def _dtensor_type() -> Optional[type]:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return None
+    return DTensor
+
+
+def is_vocab_parallel(x: object) -> bool:
+    """Whether ``x`` is a :class:`VocabShard` or a DTensor: inputs for :func:`as_vocab_shard`.
+
+    Every DTensor counts, so that one not split over the vocabulary gets the clear error of
+    :func:`as_vocab_shard` rather than torch's mixed-tensor errors from inside the kernels.
+    """
+    dtensor = _dtensor_type()
+    return isinstance(x, VocabShard) or (dtensor is not None and isinstance(x, dtensor))
+
+
+def as_vocab_shard(x: object, name: str) -> VocabShard:
+    """``x`` (a :class:`VocabShard` or a DTensor) as a checked :class:`VocabShard`.
+
+    A DTensor must be ``Shard(-1)`` on one mesh dimension and ``Replicate()`` on the others.
+
+    Raises:
+        TypeError: for logits that are not a floating point tensor (or are a DTensor inside a
+            :class:`VocabShard`), an offset that is not an int.
+        ValueError: for other placements (named, with the ones accepted), a negative offset, a
+            local shard whose size is not the mesh's split, or no initialized process group.
+    """
+    dtensor = _dtensor_type()
+    if dtensor is not None and isinstance(x, dtensor):
+        return _from_dtensor(x, name)
+    if not isinstance(x, VocabShard):
+        raise TypeError(f"`{name}` must be a VocabShard or a DTensor, got {type(x).__name__}.")
+    logits, group, offset = x
+    if not isinstance(logits, Tensor) or (dtensor is not None and isinstance(logits, dtensor)):
+        raise TypeError(f"`{name}.logits` must be this rank's local shard, a plain torch.Tensor, got {type(logits).__name__}.")
+    if not logits.is_floating_point():
+        raise TypeError(f"`{name}.logits` must be a floating point tensor, got dtype {logits.dtype}.")
+    if logits.ndim == 0:
+        raise ValueError(f"`{name}.logits` must be `[..., V_local]` with a vocabulary dimension, got a scalar.")
+    if isinstance(offset, bool) or not isinstance(offset, int):
+        raise TypeError(f"`{name}.offset` must be an int (the shard's first vocabulary id), got {offset!r}.")
+    if offset < 0:
+        raise ValueError(f"`{name}.offset` must be >= 0 (the shard's first vocabulary id), got {offset}.")
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        raise ValueError(f"`{name}` is a VocabShard but torch.distributed is not initialized: a shard needs its process group.")
+    return x
+
+
+def _from_dtensor(x: Any, name: str) -> VocabShard:
+    from torch.distributed.tensor import Shard
+
+    placements, mesh, ndim = tuple(x.placements), x.device_mesh, x.ndim
+    vocab_dims = [i for i, p in enumerate(placements) if isinstance(p, Shard) and p.dim in (-1, ndim - 1)]
+    others = [p for i, p in enumerate(placements) if i not in vocab_dims and not p.is_replicate()]
+    if len(vocab_dims) != 1 or others or ndim == 0:
+        hint = " Replicated logits hold the whole vocabulary on every rank: pass `x.to_local()`." if not vocab_dims else ""
+        raise ValueError(
+            f"`{name}` is a DTensor with placements {placements} on mesh {tuple(mesh.shape)}: only logits split "
+            "over the vocabulary are accepted (Shard(-1) on one mesh dimension, Replicate() on the others: what "
+            f"ColwiseParallel(use_local_output=False) gives).{hint}"
+        )
+    local = x.to_local()  # differentiable: the gradient comes back as a DTensor of the same placements
+    dim = vocab_dims[0]
+    size, offset = Shard.local_shard_size_and_offset(x.shape[-1], mesh.size(dim), mesh.get_local_rank(dim))
+    if local.shape[-1] != size:
+        raise ValueError(
+            f"`{name}`'s local shard has {local.shape[-1]} vocabulary entries, but torch's split of V={x.shape[-1]} "
+            f"over {mesh.size(dim)} ranks gives this rank {size}: pass the local shard as lk.VocabShard(local, group, offset)."
+        )
+    return VocabShard(local, group=mesh.get_group(dim), offset=int(offset))
+
+
+def local_logits(x: Any) -> Any:
+    """The local tensor of a :class:`VocabShard` or a DTensor (for shape checks), else ``x`` itself."""
+    if isinstance(x, VocabShard):
+        return x.logits
+    dtensor = _dtensor_type()
+    if dtensor is not None and isinstance(x, dtensor):
+        return x.to_local()
+    return x
