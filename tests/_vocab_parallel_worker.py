@@ -177,9 +177,9 @@ def run_checks(rank: int, errors: dict[str, float], raised: dict[str, str]) -> N
         _close(errors, f"{tag}_metric", loss_fn.metric.compute(), ref_fn.metric.compute())
 
     # --- the device form of the checks (as off the CPU), with every host read refused
-    reads = ("item", "tolist", "__float__", "__int__", "__bool__", "__index__")
+    reads = ("item", "tolist", "__float__", "__int__", "__bool__", "__index__", "nonzero", "masked_select")
     saved = {name: getattr(Tensor, name) for name in reads}
-    saved_devices = checks.HOST_CHECK_DEVICES
+    saved_devices = checks.HOST_READ_DEVICES
 
     def refuse(name: str) -> Callable[..., Any]:
         def read(self: Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -191,7 +191,7 @@ def run_checks(rank: int, errors: dict[str, float], raised: dict[str, str]) -> N
     loc_ref = _shard(zr, offset, offset + size)
     dz = DTensor.from_local(local, mesh, [Shard(-1)], run_check=False, shape=z.shape, stride=z.stride())
     dr = DTensor.from_local(loc_ref, mesh, [Shard(-1)], run_check=False, shape=z.shape, stride=z.stride())
-    checks.HOST_CHECK_DEVICES = frozenset()
+    checks.HOST_READ_DEVICES = frozenset()
     try:
         for name in reads:
             setattr(Tensor, name, refuse(name))
@@ -205,7 +205,7 @@ def run_checks(rank: int, errors: dict[str, float], raised: dict[str, str]) -> N
     finally:
         for name, fn in saved.items():
             setattr(Tensor, name, fn)
-        checks.HOST_CHECK_DEVICES = saved_devices
+        checks.HOST_READ_DEVICES = saved_devices
     errors["no_host_reads_ran"] = 0.0
 
     # --- errors: out-of-range ids, shards that overlap, placements that are not a vocabulary split

@@ -18,7 +18,7 @@ from lightning_kl.ground.vocab_shards import local_logits
 
 __all__ = [
     "AGG_MODES",
-    "HOST_CHECK_DEVICES",
+    "HOST_READ_DEVICES",
     "check_agg_mode",
     "check_count",
     "check_floating",
@@ -33,6 +33,7 @@ __all__ = [
     "check_tokens",
     "check_values",
     "compute_dtype",
+    "host_reads",
     "reject_old_logprob",
 ]
 
@@ -45,20 +46,27 @@ AGG_MODES: tuple[str, ...] = (
     "seq-mean-token-sum-norm",
 )
 
-#: Device types on which value checks (token ids in range) read the tensor on the host: on CPU that
-#: waits for nothing, and the error names the bad value. On other devices they run on the device
-#: (``torch._assert_async``): no host synchronization; a failed check stops the run with a
-#: device-side assertion naming the rule (not the value). Tests set it empty to run the device form.
-HOST_CHECK_DEVICES: frozenset[str] = frozenset({"cpu"})
+#: Device types on which the package reads tensor values on the host, where that waits for nothing
+#: (CPU): value checks (token ids in range) then name the bad value, and ``full_kl`` skips masked
+#: rows by an index list. On other devices nothing is read on the host per call: checks run on the
+#: device (``torch._assert_async``; a failed one stops the run with a device-side assertion naming
+#: the rule, not the value) and masked rows are computed and zeroed. Tests set it empty to run the
+#: device form on CPU.
+HOST_READ_DEVICES: frozenset[str] = frozenset({"cpu"})
+
+
+def host_reads(device: torch.device) -> bool:
+    """Whether values on ``device`` may be read on the host per call (:data:`HOST_READ_DEVICES`)."""
+    return device.type in HOST_READ_DEVICES
 
 
 def check_values(bad: Tensor, host_error: Callable[[], Exception], rule: str) -> None:
     """Fail if any element of the bool tensor ``bad`` is True, without a host read off the CPU.
 
-    On :data:`HOST_CHECK_DEVICES` raises ``host_error()`` (an error that names the value); elsewhere
+    On :data:`HOST_READ_DEVICES` raises ``host_error()`` (an error that names the value); elsewhere
     asserts ``not bad.any()`` on the device with the message ``rule`` (a ``RuntimeError`` on CPU).
     """
-    if bad.device.type in HOST_CHECK_DEVICES:
+    if host_reads(bad.device):
         if bad.any():
             raise host_error()
     else:

@@ -49,7 +49,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from lightning_kl.ground.checks import check_full_hidden_inputs, check_full_inputs, check_temperature, compute_dtype
+from lightning_kl.ground.checks import check_full_hidden_inputs, check_full_inputs, check_temperature, compute_dtype, host_reads
 from lightning_kl.ground.chunks import pool_active, run_chunks
 from lightning_kl.ground.vocab_shards import is_vocab_parallel
 from lightning_kl.kernels.rows import LinearRows, Rows
@@ -310,7 +310,7 @@ class _FullKL(torch.autograd.Function):
         rows = saved[0]
         sink_z = _LogitsGrad(logits, mask_flat, rows) if need_z else None
         sink_ref = _LogitsGrad(ref_logits, mask_flat, rows) if need_ref else None
-        _backward(Rows(logits), Rows(ref_logits), sink_z, sink_ref, saved, grad_out, ctx.temperature, ctx.chunk_size, ctx.dtype)
+        _backward(Rows(logits), Rows(ref_logits), mask_flat, sink_z, sink_ref, saved, grad_out, ctx.temperature, ctx.chunk_size, ctx.dtype)
         return (
             None if sink_z is None else sink_z.result()[0],
             None if sink_ref is None else sink_ref.result()[0],
@@ -348,10 +348,14 @@ class _FullKLFromHidden(torch.autograd.Function):
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Optional[Tensor], ...]:
         hidden, weight, bias, ref_hidden, ref_weight, ref_bias, mask_flat, *saved = ctx.saved_tensors
         need = [bool(x) for x in ctx.needs_input_grad[:6]]
+        if mask_flat is not None and not host_reads(hidden.device):
+            # padding is computed too off the CPU: its hidden states (NaN, say) must stay out of dW
+            keep = mask_flat.view(*hidden.shape[:-1], 1)
+            hidden, ref_hidden = hidden.masked_fill(~keep, 0), ref_hidden.masked_fill(~keep, 0)
         src, ref = LinearRows(hidden, weight, bias), LinearRows(ref_hidden, ref_weight, ref_bias)
         sink_z = _HeadGrad(src, *need[:3], ctx.dtype) if any(need[:3]) else None
         sink_ref = _HeadGrad(ref, *need[3:], ctx.dtype) if any(need[3:]) else None
-        _backward(src, ref, sink_z, sink_ref, saved, grad_out, ctx.temperature, ctx.chunk_size, ctx.dtype)
+        _backward(src, ref, mask_flat, sink_z, sink_ref, saved, grad_out, ctx.temperature, ctx.chunk_size, ctx.dtype)
         grads_z = (None, None, None) if sink_z is None else sink_z.result()
         grads_ref = (None, None, None) if sink_ref is None else sink_ref.result()
         return (*grads_z, *grads_ref, None, None, None)
@@ -369,9 +373,11 @@ def _forward(
     n = math.prod(src.lead)
     device = mask_flat.device if mask_flat is not None else (src.flat if src.flat is not None else src.x).device
 
-    # the work list: the valid tokens (padding is never read), None for all of them in order
+    # the work list: the valid tokens (padding is never read), None for all of them in order. Off
+    # the CPU no index list (a host sync): every row is computed, on the safe path, and padding zeroed
+    host = host_reads(device)
     rows: Optional[Tensor] = None
-    if mask_flat is not None:
+    if mask_flat is not None and host:
         rows = mask_flat.nonzero().squeeze(-1)
     elif src.flat is None or ref.flat is None:
         rows = torch.arange(n, device=device)
@@ -382,11 +388,13 @@ def _forward(
     def fast(chunk: tuple[slice, slice | Tensor]) -> None:
         pos, idx = chunk
         logp = _log_probs(src, idx, dtype, temperature)
-        kl[pos] = _chunk_kl(logp, _log_probs(ref, idx, dtype, temperature), safe=False)
+        kl[pos] = _chunk_kl(logp, _log_probs(ref, idx, dtype, temperature), safe=not host)
 
     _for_each(fast, list(_chunks(rows, n_work, chunk_size)), device)
+    if not host and mask_flat is not None:
+        kl.masked_fill_(~mask_flat, 0)
     # rows to redo on the safe path (a -inf policy logit, or NaN logits, which stay NaN)
-    redo = kl.isnan().nonzero().squeeze(-1)
+    redo = kl.isnan().nonzero().squeeze(-1) if host else kl.new_empty(0, dtype=torch.long)
     redo_rows = redo if rows is None else rows[redo]
     for pos, idx in _chunks(redo_rows, redo.numel(), chunk_size):
         logp = _log_probs(src, idx, dtype, temperature)
@@ -399,6 +407,7 @@ def _forward(
 def _backward(
     src: Rows | LinearRows,
     ref: Rows | LinearRows,
+    mask_flat: Optional[Tensor],
     sink_z: Optional[_LogitsGrad | _HeadGrad],
     sink_ref: Optional[_LogitsGrad | _HeadGrad],
     saved: list[Tensor],
@@ -410,6 +419,8 @@ def _backward(
     """Every chunk's logits gradients, handed to the sinks (which turn them into the inputs' gradients)."""
     rows, kl, redo, redo_rows = saved
     device = grad_out.device
+    # without index lists (off the CPU) padding is computed too: its gradients are zeroed per chunk
+    skip = None if host_reads(device) or mask_flat is None else ~mask_flat.unsqueeze(1)
     n_work = kl.numel()
     # d(loss)/d(KL) of each processed token, over T: the common factor of both formulas
     g = grad_out.reshape(-1).to(dtype)
@@ -432,6 +443,9 @@ def _backward(
             out_z,
             out_ref,
         )
+        if skip is not None:  # NaN padding: 0 * NaN
+            gz = None if gz is None else gz.masked_fill_(skip[at], 0)
+            gr = None if gr is None else gr.masked_fill_(skip[at], 0)
         # each chunk writes its own rows: chunks may run concurrently (_for_each)
         if sink_z is not None and out_z is None:
             sink_z.put(idx, gz)
@@ -439,7 +453,8 @@ def _backward(
             sink_ref.put(idx, gr)
 
     # the fast pass over every row, then the safe pass over the rows the forward redid
-    _for_each(lambda c: chunk_grads(c[0], c[1], False), list(_chunks(rows, n_work, chunk_size)), device)
+    safe = not host_reads(device)  # as in the forward
+    _for_each(lambda c: chunk_grads(c[0], c[1], safe), list(_chunks(rows, n_work, chunk_size)), device)
     redone = [(redo[pos], idx) for pos, idx in _chunks(redo_rows, redo.numel(), chunk_size)]
     _for_each(lambda c: chunk_grads(c[0], c[1], True), redone, device)
 
