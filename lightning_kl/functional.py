@@ -33,6 +33,7 @@ from lightning_kl.ground.checks import (
     compute_dtype,
     reject_old_logprob,
 )
+from lightning_kl.ground.vocab_shards import sampled_locals
 from lightning_kl.kernels import fused
 from lightning_kl.kernels.full import full_kl_compute
 from lightning_kl.sequence import (
@@ -340,6 +341,7 @@ def kl_penalty(
             kl = full_with_kl_to_go(kl, sampled_logprob, mask)
         return kl.to(out_dtype)
     check_sampled_logprob(sampled_logprob, logprob, False)
+    logprob, ref_logprob, old_logprob = sampled_locals(logprob, ref_logprob, old_logprob)  # loss_parallel's DTensors
     if sequence and isinstance(logprob, Tensor) and logprob.ndim == 0:
         raise ValueError("level='sequence' needs a token dimension (the last one), got a scalar `logprob`.")
     check_sampled_temperature(temperature, spec.name)

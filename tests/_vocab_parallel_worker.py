@@ -176,6 +176,30 @@ def run_checks(rank: int, errors: dict[str, float], raised: dict[str, str]) -> N
         _close(errors, f"{tag}_grad_ref", loc_ref.grad, ref_r.grad[..., offset : offset + size])
         _close(errors, f"{tag}_metric", loss_fn.metric.compute(), ref_fn.metric.compute())
 
+    # --- sampled estimators on loss_parallel's replicated log-probs (backward inside the context, as
+    # torch asks), equal to the same loss on lk.token_logprobs of the same shards
+    import torch.nn.functional as F
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    toks = _tokens(vocab, 6).clamp(min=0)
+    for level in ("token", "sequence"):
+        grads = []
+        for source in ("loss_parallel", "lk"):
+            local = _shard(z, offset, offset + size)
+            dz = DTensor.from_local(local, mesh, [Shard(-1)], run_check=False, shape=z.shape, stride=z.stride())
+            with loss_parallel():
+                if source == "loss_parallel":
+                    lp = -F.cross_entropy(dz.flatten(0, 1), toks.flatten(), reduction="none").view(B, T)
+                else:
+                    lp = lk.token_logprobs(dz, toks)
+                ref_lp = lp.detach() - 0.2
+                loss = lk.KLPenaltyLoss("k3+", agg="token-sum", level=level)(lp, ref_lp, mask, old_logprob=lp.detach() + 0.05)
+                loss = loss + (lk.kl_penalty(lp, ref_lp, "k2", mask=mask) * weights).sum()
+                loss.backward()
+            grads.append((loss, local.grad))
+        _close(errors, f"sampled_loss_parallel_{level}_value", grads[0][0], grads[1][0])
+        _close(errors, f"sampled_loss_parallel_{level}_grad", grads[0][1], grads[1][1])
+
     # --- the device form of the checks (as off the CPU), with every host read refused
     reads = ("item", "tolist", "__float__", "__int__", "__bool__", "__index__", "nonzero", "masked_select")
     saved = {name: getattr(Tensor, name) for name in reads}

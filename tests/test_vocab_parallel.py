@@ -56,6 +56,7 @@ def _errors(records: list[dict[str, Any]], prefix: str) -> dict[str, float]:
         ("logprobs_shard_", 6),  # 2 splits x (value, grad, zero grad of rows not read)
         ("full_kl_dtensor_", 12),  # 2 temperatures x (value, grad, grad_ref) x (kernel, formula)
         ("loss_full_", 10),  # 2 levels x (loss, penalty, grad, grad_ref, metric)
+        ("sampled_loss_parallel_", 4),  # loss_parallel's replicated log-probs in sampled estimators: 2 levels x (loss, grad)
     ],
 )
 def test_equal_to_one_process_on_the_gathered_logits(records: list[dict[str, Any]], prefix: str, count: int) -> None:

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import Tensor
 
-__all__ = ["VocabShard", "as_vocab_shard", "is_vocab_parallel", "local_logits"]
+__all__ = ["VocabShard", "as_vocab_shard", "is_vocab_parallel", "local_logits", "replicated_local", "sampled_locals"]
 
 
 class VocabShard(NamedTuple):
@@ -151,3 +151,32 @@ def local_logits(x: Any) -> Any:
     if dtensor is not None and isinstance(x, dtensor):
         return x.to_local()
     return x
+
+
+def replicated_local(name: str, x: Any) -> Any:
+    """A replicated DTensor (``loss_parallel``'s log-probs) as its local tensor, differentiably; else ``x``.
+
+    Sampled estimators compute per token, so a value held whole on every rank is all they need.
+
+    Raises:
+        ValueError: for a DTensor that is not replicated (its placements named).
+    """
+    dtensor = _dtensor_type()
+    if dtensor is None or not isinstance(x, dtensor):
+        return x
+    if not all(p.is_replicate() for p in x.placements):
+        raise ValueError(
+            f"`{name}` is a DTensor with placements {tuple(x.placements)}: sampled estimators take per-token "
+            "log-probs held whole on every rank (a plain tensor, or a replicated DTensor such as loss_parallel's "
+            "output); pass `x.full_tensor()` or compute them with `lk.token_logprobs` of the sharded logits."
+        )
+    return x.to_local()
+
+
+def sampled_locals(logprob: Any, ref_logprob: Any, old_logprob: Any) -> tuple[Any, Any, Any]:
+    """:func:`replicated_local` of a sampled estimator's three inputs."""
+    return (
+        replicated_local("logprob", logprob),
+        replicated_local("ref_logprob", ref_logprob),
+        replicated_local("old_logprob", old_logprob),
+    )
