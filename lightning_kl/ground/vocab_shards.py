@@ -54,18 +54,22 @@ class VocabShard(NamedTuple):
     # read by the shape checks shared with plain logits (the local shard's: its last dim is V_local)
     @property
     def shape(self) -> torch.Size:
+        """The local shard's shape ``[..., V_local]``."""
         return self.logits.shape
 
     @property
     def ndim(self) -> int:
+        """The local shard's number of dimensions."""
         return self.logits.ndim
 
     @property
     def dtype(self) -> torch.dtype:
+        """The local shard's dtype."""
         return self.logits.dtype
 
     @property
     def device(self) -> torch.device:
+        """The local shard's device."""
         return self.logits.device
 
 
