@@ -26,7 +26,7 @@ from torch import Tensor
 from lightning_kl.ground.checks import check_floating, check_head, check_temperature, check_tokens
 from lightning_kl.ground.vocab_shards import VocabShard, is_vocab_parallel
 from lightning_kl.kernels.logprobs import token_logprobs_from_hidden_kernel, token_logprobs_kernel
-from lightning_kl.kernels.vocab_parallel import vocab_parallel_token_logprobs
+from lightning_kl.kernels.vocab_parallel import vocab_parallel_token_logprobs, vocab_parallel_token_logprobs_from_hidden
 
 __all__ = ["FromHidden", "token_logprobs", "token_logprobs_from_hidden"]
 
@@ -118,7 +118,7 @@ def token_logprobs(
 
 def token_logprobs_from_hidden(
     hidden: Tensor,
-    weight: Tensor,
+    weight: Tensor | VocabShard,
     tokens: Tensor,
     bias: Optional[Tensor] = None,
     temperature: float = 1.0,
@@ -141,7 +141,10 @@ def token_logprobs_from_hidden(
 
     Args:
         hidden: ``[..., d]`` the last hidden states (after the final norm).
-        weight: ``[V, d]`` the LM head (``lm_head.weight``), the dtype and device of ``hidden``.
+        weight: ``[V, d]`` the LM head (``lm_head.weight``), the dtype and device of ``hidden``; or
+            a :class:`~lightning_kl.VocabShard` of this rank's rows ``[V_local, d]`` of a
+            column-parallel head (``bias`` then its ``[V_local]`` slice, ``chunk_size`` rows per
+            chunk): the vocabulary is never gathered (:mod:`lightning_kl.kernels.vocab_parallel`).
         tokens: ``[...]`` integer ids in ``[0, V)``.
         bias: optional ``[V]`` head bias.
         temperature: :math:`T > 0`, the sampling temperature.
@@ -173,5 +176,7 @@ def token_logprobs_from_hidden(
     temperature = check_temperature(temperature)
     _check_size("chunk_size", chunk_size)
     _check_size("vocab_chunk_size", vocab_chunk_size)
+    if isinstance(weight, VocabShard):  # a column-parallel head's rows (docs/scale.md)
+        return vocab_parallel_token_logprobs_from_hidden(hidden, weight, bias, tokens, temperature, ignore_index, chunk_size)
     ids, ignored = check_tokens(tokens, hidden.shape[:-1], weight.shape[0], hidden.device, "hidden", ignore_index)
     return token_logprobs_from_hidden_kernel(hidden, weight, bias, ids, ignored, temperature, chunk_size, vocab_chunk_size)

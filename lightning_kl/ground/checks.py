@@ -14,7 +14,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from lightning_kl.ground.vocab_shards import local_logits
+from lightning_kl.ground.vocab_shards import VocabShard, local_part
 
 __all__ = [
     "AGG_MODES",
@@ -137,7 +137,7 @@ def check_full_inputs(logits: Any, ref_logits: Any, mask: Optional[Tensor]) -> O
         TypeError: for inputs that are not floating point tensors, or a mask that is not a tensor.
         ValueError: for shapes or devices that do not match (both are named).
     """
-    logits, ref_logits = local_logits(logits), local_logits(ref_logits)  # a vocabulary shard: its local part
+    logits, ref_logits = local_part(logits), local_part(ref_logits)  # a vocabulary shard: its local part
     check_matching("logits", logits, "ref_logits", ref_logits)
     assert isinstance(logits, Tensor)
     if logits.ndim == 0:
@@ -268,6 +268,8 @@ def check_head(hidden: Any, weight: Any, bias: Any, prefix: str = "") -> None:
         ValueError: for shapes, dtypes or devices that do not match (all named).
     """
     hn, wn, bn = f"{prefix}hidden", f"{prefix}weight", f"{prefix}bias"
+    if isinstance(weight, VocabShard):  # a column-parallel head: this rank's rows (and bias slice)
+        weight = weight.local
     check_floating(hn, hidden)
     check_floating(wn, weight)
     if hidden.ndim == 0:

@@ -21,23 +21,27 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import Tensor
 
-__all__ = ["VocabShard", "as_vocab_shard", "is_vocab_parallel", "local_logits", "replicated_local", "sampled_locals"]
+__all__ = ["VocabShard", "as_vocab_shard", "is_vocab_parallel", "local_part", "replicated_local", "sampled_locals"]
 
 
 class VocabShard(NamedTuple):
-    r"""This rank's shard of logits split over the vocabulary across a tensor parallel group.
+    r"""This rank's shard of a vocabulary split across a tensor parallel group: its logits, or its LM head rows.
 
     Pass one per model in place of the logits to :func:`lightning_kl.token_logprobs`,
     :func:`lightning_kl.full_kl`, :func:`lightning_kl.kl_penalty` (``"full"``) and
-    ``KLPenaltyLoss("full")``. Every rank of ``group`` calls with its own shard; the shards must
+    ``KLPenaltyLoss("full")``; or, holding this rank's rows of a column-parallel LM head, in place of
+    the head's weight to :func:`lightning_kl.token_logprobs_from_hidden`,
+    :func:`lightning_kl.full_kl_from_hidden` and :class:`lightning_kl.FromHidden` (the bias, if
+    any, is this rank's ``[V_local]`` slice; the hidden states are the same on every rank, and their
+    gradient is summed over the group). Every rank of ``group`` calls with its own shard; the shards must
     tile the vocabulary ``[0, V)`` without overlap (each token id owned by exactly one rank), which
     :func:`lightning_kl.token_logprobs` checks. The results are the same on every rank of the group
     (plain tensors), and so must be the gradients that flow back into them: compute the same loss
     on every rank of the group, as tensor parallel training does.
 
     Attributes:
-        logits: ``[..., V_local]`` this rank's logits for the ids ``offset ... offset + V_local - 1``
-            (``V_local`` may be 0).
+        local: ``[..., V_local]`` this rank's logits for the ids ``offset ... offset + V_local - 1``
+            (``V_local`` may be 0), or ``[V_local, d]``, this rank's rows of the LM head.
         group: the tensor parallel process group (``None``: the default group).
         offset: the first vocabulary id of this shard (``rank * V_local`` for an even split).
 
@@ -47,30 +51,30 @@ class VocabShard(NamedTuple):
         (torch.Size([2, 3, 4]), torch.float32)
     """
 
-    logits: Tensor
+    local: Tensor
     group: Any = None
     offset: int = 0
 
     # read by the shape checks shared with plain logits (the local shard's: its last dim is V_local)
     @property
     def shape(self) -> torch.Size:
-        """The local shard's shape ``[..., V_local]``."""
-        return self.logits.shape
+        """The local shard's shape (``[..., V_local]`` for logits)."""
+        return self.local.shape
 
     @property
     def ndim(self) -> int:
         """The local shard's number of dimensions."""
-        return self.logits.ndim
+        return self.local.ndim
 
     @property
     def dtype(self) -> torch.dtype:
         """The local shard's dtype."""
-        return self.logits.dtype
+        return self.local.dtype
 
     @property
     def device(self) -> torch.device:
         """The local shard's device."""
-        return self.logits.device
+        return self.local.device
 
 
 def _dtensor_type() -> Optional[type]:
@@ -107,13 +111,13 @@ def as_vocab_shard(x: object, name: str) -> VocabShard:
         return _from_dtensor(x, name)
     if not isinstance(x, VocabShard):
         raise TypeError(f"`{name}` must be a VocabShard or a DTensor, got {type(x).__name__}.")
-    logits, group, offset = x
-    if not isinstance(logits, Tensor) or (dtensor is not None and isinstance(logits, dtensor)):
-        raise TypeError(f"`{name}.logits` must be this rank's local shard, a plain torch.Tensor, got {type(logits).__name__}.")
-    if not logits.is_floating_point():
-        raise TypeError(f"`{name}.logits` must be a floating point tensor, got dtype {logits.dtype}.")
-    if logits.ndim == 0:
-        raise ValueError(f"`{name}.logits` must be `[..., V_local]` with a vocabulary dimension, got a scalar.")
+    local, group, offset = x
+    if not isinstance(local, Tensor) or (dtensor is not None and isinstance(local, dtensor)):
+        raise TypeError(f"`{name}.local` must be this rank's local shard, a plain torch.Tensor, got {type(local).__name__}.")
+    if not local.is_floating_point():
+        raise TypeError(f"`{name}.local` must be a floating point tensor, got dtype {local.dtype}.")
+    if local.ndim == 0:
+        raise ValueError(f"`{name}.local` must be `[..., V_local]` with a vocabulary dimension, got a scalar.")
     if isinstance(offset, bool) or not isinstance(offset, int):
         raise TypeError(f"`{name}.offset` must be an int (the shard's first vocabulary id), got {offset!r}.")
     if offset < 0:
@@ -147,10 +151,10 @@ def _from_dtensor(x: Any, name: str) -> VocabShard:
     return VocabShard(local, group=mesh.get_group(dim), offset=int(offset))
 
 
-def local_logits(x: Any) -> Any:
-    """The local tensor of a :class:`VocabShard` or a DTensor (for shape checks), else ``x`` itself."""
+def local_part(x: Any) -> Any:
+    """The local tensor of a :class:`VocabShard` or a DTensor (for the shape checks), else ``x`` itself."""
     if isinstance(x, VocabShard):
-        return x.logits
+        return x.local
     dtensor = _dtensor_type()
     if dtensor is not None and isinstance(x, dtensor):
         return x.to_local()

@@ -51,9 +51,9 @@ from torch.autograd.function import once_differentiable
 
 from lightning_kl.ground.checks import check_full_hidden_inputs, check_full_inputs, check_temperature, compute_dtype, host_reads
 from lightning_kl.ground.chunks import pool_active, run_chunks
-from lightning_kl.ground.vocab_shards import is_vocab_parallel
+from lightning_kl.ground.vocab_shards import VocabShard, is_vocab_parallel
 from lightning_kl.kernels.rows import LinearRows, Rows
-from lightning_kl.kernels.vocab_parallel import vocab_parallel_full_kl
+from lightning_kl.kernels.vocab_parallel import vocab_parallel_full_kl, vocab_parallel_full_kl_from_hidden
 
 __all__ = ["full_kl", "full_kl_compute", "full_kl_from_hidden", "full_kl_from_hidden_compute"]
 
@@ -162,7 +162,9 @@ def full_kl_from_hidden(
     the policy's hidden states and head; the reference needs none and costs only its matmuls).
 
     Args:
-        hidden: ``[..., d]`` the policy's last hidden states; ``weight`` ``[V, d]`` its LM head.
+        hidden: ``[..., d]`` the policy's last hidden states; ``weight`` ``[V, d]`` its LM head, or a
+            :class:`~lightning_kl.VocabShard` of this rank's rows of a column-parallel head (both
+            heads then split the same way; biases are this rank's slices).
         ref_hidden: ``[..., d']`` the reference's; ``ref_weight`` ``[V, d']`` its head.
         mask: optional ``[...]`` mask, True on valid tokens; 0 value and exactly 0 gradient elsewhere
             (masked tokens are never computed).
@@ -204,6 +206,8 @@ def full_kl_from_hidden_compute(
     """:func:`full_kl_from_hidden` on checked inputs (``mask`` bool or None)."""
     temperature = check_temperature(temperature)
     _check_chunk_size(chunk_size)
+    if isinstance(weight, VocabShard) or isinstance(ref_weight, VocabShard):  # column-parallel heads
+        return vocab_parallel_full_kl_from_hidden(hidden, weight, bias, ref_hidden, ref_weight, ref_bias, mask, temperature, chunk_size)
     mask_flat = None if mask is None else mask.reshape(-1)
     return _FullKLFromHidden.apply(hidden, weight, bias, ref_hidden, ref_weight, ref_bias, mask_flat, temperature, chunk_size)
 
