@@ -176,6 +176,50 @@ def run_checks(rank: int, errors: dict[str, float], raised: dict[str, str]) -> N
         _close(errors, f"{tag}_grad_ref", loc_ref.grad, ref_r.grad[..., offset : offset + size])
         _close(errors, f"{tag}_metric", loss_fn.metric.compute(), ref_fn.metric.compute())
 
+    # --- from hidden states with a column-parallel head (lk.VocabShard of its rows, uneven 6 + 5):
+    # log-probs and the full KL (NaN hidden states in the padding), gradients of the hidden states
+    # (summed over the group), of the head's rows and of the bias slice, against one process
+    d = 4
+    h = torch.randn(B, T, d, generator=g, dtype=torch.float64)
+    hr = torch.randn(B, T, d, generator=g, dtype=torch.float64)
+    w, wr = torch.randn(vocab, d, generator=g, dtype=torch.float64), torch.randn(vocab, d, generator=g, dtype=torch.float64)
+    bias, rbias = torch.randn(vocab, generator=g, dtype=torch.float64), torch.randn(vocab, generator=g, dtype=torch.float64)
+    rows = slice(offset, offset + size)
+    for temperature, chunk in ((1.0, None), (0.8, 4)):
+        leaves = [x.clone().requires_grad_() for x in (h, w[rows], bias[rows])]
+        lp = lk.token_logprobs_from_hidden(leaves[0], lk.VocabShard(leaves[1], group, offset), tokens, bias=leaves[2], temperature=temperature, ignore_index=-100, chunk_size=chunk)
+        (lp * weights).sum().backward()
+        ref_leaves = [x.clone().requires_grad_() for x in (h, w, bias)]
+        ref = lk.token_logprobs_from_hidden(ref_leaves[0], ref_leaves[1], tokens, bias=ref_leaves[2], temperature=temperature, ignore_index=-100)
+        (ref * weights).sum().backward()
+        tag = f"hidden_logprobs_T{temperature}_chunk{chunk}"
+        _close(errors, f"{tag}_value", lp, ref)
+        _close(errors, f"{tag}_grad_hidden", leaves[0].grad, ref_leaves[0].grad)
+        _close(errors, f"{tag}_grad_weight", leaves[1].grad, ref_leaves[1].grad[rows])
+        _close(errors, f"{tag}_grad_bias", leaves[2].grad, ref_leaves[2].grad[rows])
+
+        hp = torch.where(mask.unsqueeze(-1), h, float("nan"))
+        leaves = [x.clone().requires_grad_() for x in (hp, w[rows], bias[rows], hr, wr[rows])]
+        kl = lk.full_kl_from_hidden(
+            leaves[0], lk.VocabShard(leaves[1], group, offset), leaves[3], lk.VocabShard(leaves[4], group, offset), mask,
+            bias=leaves[2], ref_bias=rbias[rows], temperature=temperature, chunk_size=chunk,
+        )
+        loss_fn = lk.KLPenaltyLoss("full", agg="token-mean", temperature=temperature)
+        loss = (kl * weights).sum() + loss_fn(lk.FromHidden(leaves[0], lk.VocabShard(leaves[1], group, offset), leaves[2]),
+                                              lk.FromHidden(leaves[3], lk.VocabShard(leaves[4], group, offset), rbias[rows]), mask)
+        loss.backward()
+        ref_leaves = [x.clone().requires_grad_() for x in (hp, w, bias, hr, wr)]
+        ref = lk.full_kl_from_hidden(ref_leaves[0], ref_leaves[1], ref_leaves[3], ref_leaves[4], mask, bias=ref_leaves[2], ref_bias=rbias, temperature=temperature)
+        ref_fn = lk.KLPenaltyLoss("full", agg="token-mean", temperature=temperature)
+        ref_loss = (ref * weights).sum() + ref_fn(lk.FromHidden(ref_leaves[0], ref_leaves[1], ref_leaves[2]), lk.FromHidden(ref_leaves[3], ref_leaves[4], rbias), mask)
+        ref_loss.backward()
+        tag = f"hidden_full_kl_T{temperature}_chunk{chunk}"
+        _close(errors, f"{tag}_value", kl, ref)
+        _close(errors, f"{tag}_loss", loss, ref_loss)
+        for i, what in enumerate(("hidden", "weight", "bias", "ref_hidden", "ref_weight")):
+            want = ref_leaves[i].grad if what in ("hidden", "ref_hidden") else ref_leaves[i].grad[rows]
+            _close(errors, f"{tag}_grad_{what}", leaves[i].grad, want)
+
     # --- sampled estimators on loss_parallel's replicated log-probs (backward inside the context, as
     # torch asks), equal to the same loss on lk.token_logprobs of the same shards
     import torch.nn.functional as F
@@ -221,7 +265,10 @@ def run_checks(rank: int, errors: dict[str, float], raised: dict[str, str]) -> N
             setattr(Tensor, name, refuse(name))
         lp = lk.token_logprobs(dz, tokens, ignore_index=-100, chunk_size=4)
         kl = lk.full_kl(dz, dr, mask, chunk_size=4)
-        (lp.sum() + kl.sum()).backward()
+        hl, wl = h.clone().requires_grad_(), w[rows].clone().requires_grad_()
+        lp_h = lk.token_logprobs_from_hidden(hl, lk.VocabShard(wl, group, offset), tokens, ignore_index=-100, chunk_size=4)
+        kl_h = lk.full_kl_from_hidden(hl, lk.VocabShard(wl, group, offset), hr, lk.VocabShard(wr[rows], group, offset), mask, chunk_size=4)
+        (lp.sum() + kl.sum() + lp_h.sum() + kl_h.sum()).backward()
         try:
             lk.token_logprobs(dz, tokens.masked_fill(tokens == -100, vocab))
         except RuntimeError as err:

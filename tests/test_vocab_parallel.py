@@ -56,6 +56,8 @@ def _errors(records: list[dict[str, Any]], prefix: str) -> dict[str, float]:
         ("logprobs_shard_", 6),  # 2 splits x (value, grad, zero grad of rows not read)
         ("full_kl_dtensor_", 12),  # 2 temperatures x (value, grad, grad_ref) x (kernel, formula)
         ("loss_full_", 10),  # 2 levels x (loss, penalty, grad, grad_ref, metric)
+        ("hidden_logprobs_", 8),  # column-parallel head: 2 temperatures x (value, grads of hidden, weight rows, bias)
+        ("hidden_full_kl_", 14),  # 2 x (value, loss with FromHidden, grads of hidden, weight, bias, ref_hidden, ref_weight)
         ("sampled_loss_parallel_", 4),  # loss_parallel's replicated log-probs in sampled estimators: 2 levels x (loss, grad)
     ],
 )
