@@ -220,6 +220,21 @@ def run_checks(rank: int, errors: dict[str, float], raised: dict[str, str]) -> N
             want = ref_leaves[i].grad if what in ("hidden", "ref_hidden") else ref_leaves[i].grad[rows]
             _close(errors, f"{tag}_grad_{what}", leaves[i].grad, want)
 
+    # --- bfloat16 shards: the maths in float32, gradients in bfloat16, as one process on the same values
+    zb, zrb = z.to(torch.bfloat16), zr.to(torch.bfloat16)
+    loc, loc_ref = _shard(zb, offset, offset + size), _shard(zrb, offset, offset + size)
+    dz = DTensor.from_local(loc, mesh, [Shard(-1)], run_check=False, shape=z.shape, stride=z.stride())
+    dr = DTensor.from_local(loc_ref, mesh, [Shard(-1)], run_check=False, shape=z.shape, stride=z.stride())
+    out = lk.token_logprobs(dz, tokens, ignore_index=-100) + lk.full_kl(dz, dr, mask)
+    out.backward(weights.float())
+    ref_z, ref_r = zb.clone().requires_grad_(), zrb.clone().requires_grad_()
+    ref = lk.token_logprobs(ref_z, tokens, ignore_index=-100) + lk.full_kl(ref_z, ref_r, mask)
+    ref.backward(weights.float())
+    errors["bf16_dtypes"] = 0.0 if (out.dtype, loc.grad.dtype, loc_ref.grad.dtype) == (torch.float32, torch.bfloat16, torch.bfloat16) else float("inf")
+    errors["bf16_value"] = max(0.0, float((out - ref).detach().abs().max()) - 1e-5)  # float32 maths: 1e-5 allowed
+    errors["bf16_grad"] = max(0.0, float((loc.grad.float() - ref_z.grad[..., offset : offset + size].float()).abs().max()) - 4e-3)
+    errors["bf16_grad_ref"] = max(0.0, float((loc_ref.grad.float() - ref_r.grad[..., offset : offset + size].float()).abs().max()) - 4e-3)
+
     # --- sampled estimators on loss_parallel's replicated log-probs (backward inside the context, as
     # torch asks), equal to the same loss on lk.token_logprobs of the same shards
     import torch.nn.functional as F

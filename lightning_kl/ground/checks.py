@@ -14,7 +14,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from lightning_kl.ground.vocab_shards import VocabShard, local_part
+from lightning_kl.ground.vocab_shards import VocabShard, check_split_alike, local_part
 
 __all__ = [
     "AGG_MODES",
@@ -137,6 +137,7 @@ def check_full_inputs(logits: Any, ref_logits: Any, mask: Optional[Tensor]) -> O
         TypeError: for inputs that are not floating point tensors, or a mask that is not a tensor.
         ValueError: for shapes or devices that do not match (both are named).
     """
+    check_split_alike("logits", logits, "ref_logits", ref_logits)
     logits, ref_logits = local_part(logits), local_part(ref_logits)  # a vocabulary shard: its local part
     check_matching("logits", logits, "ref_logits", ref_logits)
     assert isinstance(logits, Tensor)

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import Tensor
 
-__all__ = ["VocabShard", "as_vocab_shard", "is_vocab_parallel", "local_part", "replicated_local", "sampled_locals"]
+__all__ = ["VocabShard", "as_vocab_shard", "is_vocab_parallel", "check_split_alike", "local_part", "replicated_local", "sampled_locals"]
 
 
 class VocabShard(NamedTuple):
@@ -149,6 +149,17 @@ def _from_dtensor(x: Any, name: str) -> VocabShard:
             f"over {mesh.size(dim)} ranks gives this rank {size}: pass the local shard as lk.VocabShard(local, group, offset)."
         )
     return VocabShard(local, group=mesh.get_group(dim), offset=int(offset))
+
+
+def check_split_alike(a_name: str, a: object, b_name: str, b: object) -> None:
+    """Both or neither split over the vocabulary (a :class:`VocabShard` or a DTensor); else ``TypeError``."""
+    if is_vocab_parallel(a) != is_vocab_parallel(b):
+        split, plain = (a_name, b_name) if is_vocab_parallel(a) else (b_name, a_name)
+        raise TypeError(
+            f"`{split}` is split over the vocabulary but `{plain}` is a plain tensor: split the policy's and the "
+            "reference's the same way (both DTensors with Shard(-1) on one mesh, or both lk.VocabShard with one "
+            "group and offset)."
+        )
 
 
 def local_part(x: Any) -> Any:
