@@ -6,7 +6,10 @@ One launch of ``tests/_vocab_parallel_worker.py`` runs every check on both ranks
 custom split (3 + 8) and with an empty shard (11 + 0), token ids in every shard and at the edges of
 the split and of the vocabulary, ``ignore_index``, masks with NaN padding, ``-inf`` policy logits,
 temperatures, chunks smaller than the batch, ``kl_penalty("full")`` and ``KLPenaltyLoss("full")`` at
-both levels; values and gradients (both sides of the KL) to 1e-12. The tests below read its records.
+both levels, log-probs and the full KL from hidden states with a column-parallel head, sampled
+estimators on ``loss_parallel``'s log-probs; values and gradients (both sides of the KL, the hidden
+states, the head's rows and bias) to 1e-12; bfloat16 shards; the device form of the checks with host
+reads refused; bad inputs. The tests below read its records.
 """
 
 from __future__ import annotations
@@ -58,8 +61,8 @@ def _errors(records: list[dict[str, Any]], prefix: str) -> dict[str, float]:
         ("loss_full_", 10),  # 2 levels x (loss, penalty, grad, grad_ref, metric)
         ("hidden_logprobs_", 8),  # column-parallel head: 2 temperatures x (value, grads of hidden, weight rows, bias)
         ("hidden_full_kl_", 14),  # 2 x (value, loss with FromHidden, grads of hidden, weight, bias, ref_hidden, ref_weight)
-        ("sampled_loss_parallel_", 4),
-        ("bf16_", 4),  # bfloat16 shards: dtypes, value (float32 maths, 1e-5), gradients (a bf16 rounding, 4e-3) as excesses  # loss_parallel's replicated log-probs in sampled estimators: 2 levels x (loss, grad)
+        ("sampled_loss_parallel_", 4),  # loss_parallel's replicated log-probs in sampled estimators: 2 levels x (loss, grad)
+        ("bf16_", 4),  # bfloat16 shards: dtypes, value (float32 maths, 1e-5), gradients (a bf16 rounding, 4e-3) as excesses
     ],
 )
 def test_equal_to_one_process_on_the_gathered_logits(records: list[dict[str, Any]], prefix: str, count: int) -> None:
