@@ -34,6 +34,7 @@ from lightning_kl.ground.checks import (
     reject_old_logprob,
     warn_if_reference_requires_grad,
 )
+from lightning_kl.ground.vocab_shards import sampled_locals
 from lightning_kl.kernels import fused
 from lightning_kl.kernels.full import full_kl_compute
 from lightning_kl.sequence import (
@@ -342,6 +343,7 @@ def kl_penalty(
             kl = full_with_kl_to_go(kl, sampled_logprob, mask)
         return kl.to(out_dtype)
     check_sampled_logprob(sampled_logprob, logprob, False)
+    logprob, ref_logprob, old_logprob = sampled_locals(logprob, ref_logprob, old_logprob)  # loss_parallel's DTensors
     if sequence and isinstance(logprob, Tensor) and logprob.ndim == 0:
         raise ValueError("level='sequence' needs a token dimension (the last one), got a scalar `logprob`.")
     check_sampled_temperature(temperature, spec.name)

@@ -25,6 +25,7 @@ from lightning_kl.ground.checks import (
     reject_old_logprob,
 )
 from lightning_kl.ground.parallel import check_parallel_args, data_parallel_group
+from lightning_kl.ground.vocab_shards import sampled_locals
 from lightning_kl.kernels.full import full_kl_compute, full_kl_from_hidden_compute
 from lightning_kl.logprobs import FromHidden
 from lightning_kl.metric import KLMetric
@@ -246,6 +247,7 @@ class KLPenaltyLoss(nn.Module):
                 kl = full_with_kl_to_go(kl, sampled_logprob, mask)
         else:
             check_sampled_logprob(sampled_logprob, logprob, False)
+            logprob, ref_logprob, old_logprob = sampled_locals(logprob, ref_logprob, old_logprob)  # loss_parallel's DTensors
             check_pair(logprob, ref_logprob)
             check_old_logprob(old_logprob, logprob)
             mask = check_mask(mask, logprob, "logprob")

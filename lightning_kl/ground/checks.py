@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from typing import Any, Literal, Optional, Union
 
 import torch
 from torch import Tensor
 
+from lightning_kl.ground.vocab_shards import VocabShard, check_split_alike, local_part
+
 __all__ = [
     "AGG_MODES",
     "AggMode",
+    "HOST_READ_DEVICES",
     "check_agg_mode",
     "check_count",
     "check_floating",
@@ -31,7 +35,9 @@ __all__ = [
     "check_not_sharded",
     "check_temperature",
     "check_tokens",
+    "check_values",
     "compute_dtype",
+    "host_reads",
     "reject_old_logprob",
     "warn_if_reference_requires_grad",
 ]
@@ -48,6 +54,31 @@ AGG_MODES: tuple[str, ...] = (
 #: The type of an ``agg`` argument: one of :data:`AGG_MODES`, listed by LightningCLI's ``--help``; any
 #: other string is refused when the object is built, by a message that lists the valid modes.
 AggMode = Union[Literal[AGG_MODES], str]  # type: ignore[valid-type]
+#: Device types on which the package reads tensor values on the host, where that waits for nothing
+#: (CPU): value checks (token ids in range) then name the bad value, and ``full_kl`` skips masked
+#: rows by an index list. On other devices nothing is read on the host per call: checks run on the
+#: device (``torch._assert_async``; a failed one stops the run with a device-side assertion naming
+#: the rule, not the value) and masked rows are computed and zeroed. Tests set it empty to run the
+#: device form on CPU.
+HOST_READ_DEVICES: frozenset[str] = frozenset({"cpu"})
+
+
+def host_reads(device: torch.device) -> bool:
+    """Whether values on ``device`` may be read on the host per call (:data:`HOST_READ_DEVICES`)."""
+    return device.type in HOST_READ_DEVICES
+
+
+def check_values(bad: Tensor, host_error: Callable[[], Exception], rule: str) -> None:
+    """Fail if any element of the bool tensor ``bad`` is True, without a host read off the CPU.
+
+    On :data:`HOST_READ_DEVICES` raises ``host_error()`` (an error that names the value); elsewhere
+    asserts ``not bad.any()`` on the device with the message ``rule`` (a ``RuntimeError`` on CPU).
+    """
+    if host_reads(bad.device):
+        if bad.any():
+            raise host_error()
+    else:
+        torch._assert_async(~bad.any(), rule)
 
 
 def compute_dtype(*tensors: Tensor) -> torch.dtype:
@@ -177,6 +208,8 @@ def check_full_inputs(logits: Any, ref_logits: Any, mask: Optional[Tensor]) -> O
         TypeError: for inputs that are not floating point tensors, or a mask that is not a tensor.
         ValueError: for shapes or devices that do not match (both are named).
     """
+    check_split_alike("logits", logits, "ref_logits", ref_logits)
+    logits, ref_logits = local_part(logits), local_part(ref_logits)  # a vocabulary shard: its local part
     check_matching("logits", logits, "ref_logits", ref_logits)
     warn_if_reference_requires_grad("ref_logits", ref_logits)
     assert isinstance(logits, Tensor)
@@ -258,13 +291,14 @@ def reject_old_logprob(old_logprob: Any) -> None:
 
 
 def check_tokens(
-    tokens: Any, lead: torch.Size, vocab: int, device: torch.device, like: str, ignore_index: Any
+    tokens: Any, lead: torch.Size, vocab: Optional[int], device: torch.device, like: str, ignore_index: Any
 ) -> tuple[Tensor, Optional[Tensor]]:
     """Check ``tokens`` (integer ids of shape ``lead``) against a vocabulary of ``vocab`` entries.
 
     Returns the flat ``int64`` ids (ignored ones replaced by 0, so that they index safely) and the
-    flat bool mask of ignored tokens (None without ``ignore_index``). Costs one min/max over the ids
-    (a device sync on GPU).
+    flat bool mask of ignored tokens (None without ``ignore_index``). The range check is skipped for
+    ``vocab`` None (a vocabulary split over ranks: the kernel checks that one rank owns each id) and
+    never waits for the device (:func:`check_values`).
 
     Raises:
         TypeError: for ``tokens`` that are not an integer tensor, or a bad ``ignore_index``.
@@ -289,12 +323,11 @@ def check_tokens(
     if ignore_index is not None:
         ignored = ids == ignore_index
         ids = ids.masked_fill(ignored, 0)
-    if ids.numel() > 0:
-        lo, hi = torch.aminmax(ids)
-        if lo.item() < 0 or hi.item() >= vocab:
-            bad = int(ids[(ids < 0) | (ids >= vocab)][0])
-            hint = f" or `ignore_index` ({ignore_index})" if ignore_index is not None else " (set `ignore_index` for label padding such as -100)"
-            raise ValueError(f"token id {bad} is out of range for a vocabulary of V={vocab}: ids must be in [0, {vocab}){hint}.")
+    if vocab is not None and ids.numel() > 0:
+        out = (ids < 0) | (ids >= vocab)
+        hint = f" or `ignore_index` ({ignore_index})" if ignore_index is not None else " (set `ignore_index` for label padding such as -100)"
+        rule = f"token ids must be in [0, {vocab}){hint}"
+        check_values(out, lambda: ValueError(f"token id {int(ids[out][0])} is out of range for a vocabulary of V={vocab}: {rule}."), rule)
     return ids, ignored
 
 
@@ -329,6 +362,8 @@ def check_head(hidden: Any, weight: Any, bias: Any, prefix: str = "") -> None:
         ValueError: for shapes, dtypes or devices that do not match (all named).
     """
     hn, wn, bn = f"{prefix}hidden", f"{prefix}weight", f"{prefix}bias"
+    if isinstance(weight, VocabShard):  # a column-parallel head: this rank's rows (and bias slice)
+        weight = weight.local
     check_floating(hn, hidden)
     check_floating(wn, weight)
     check_not_sharded(wn, weight)

@@ -148,6 +148,8 @@ class _TokenLogprobs(torch.autograd.Function):
             s = s.masked_fill(ignored.unsqueeze(1), 0)
         lse_t = (lse * temperature).unsqueeze(1)
         grad = torch.empty((n, vocab), dtype=logits.dtype, device=device)
+        # ignored rows whose lse is not finite (NaN or inf logits), zeroed chunk by chunk: no index list
+        junk = None if ignored is None else ignored & ~lse.isfinite()
 
         def work(item: tuple[slice, slice | Tensor], state: dict[str, Tensor]) -> None:
             pos, idx = item
@@ -160,15 +162,12 @@ class _TokenLogprobs(torch.autograd.Function):
                 p.div_(temperature)
             p.exp_().mul_(s[pos].neg())
             p.scatter_add_(1, ids[pos].unsqueeze(1), s[pos])
+            if junk is not None:  # s = 0 there, but 0 * p is NaN where the logits hold NaN or inf
+                p.masked_fill_(junk[pos].unsqueeze(1), 0)
             if grad.dtype != dtype:
                 grad[pos] = p
 
         run_chunks(work, _items(src, n, ctx.chunk_size, device), device, make_state=dict)
-        if ignored is not None:
-            # s = 0 zeroes an ignored row unless its logits hold NaN or inf (then its lse is not
-            # finite and 0 * p is NaN): those rows are zeroed here, once
-            junk = (ignored & ~lse.isfinite()).nonzero().squeeze(1)
-            grad.index_fill_(0, junk, 0)
         return grad.view(logits.shape), None, None, None, None
 
 
