@@ -360,6 +360,12 @@ HOST_ONLY: dict[str, str] = {
     "parse_estimator": "parses a name on the host",
     "OnPolicyRollouts": "an iterable that calls the user's sampler; no tensor work of its own",
     "hf": "the module; its functions are listed one by one",
+    "AggMode": "a type for LightningCLI (names)",
+    "EstimatorName": "a type for LightningCLI (names)",
+    "SampledEstimatorName": "a type for LightningCLI (names)",
+    "Level": "a type for LightningCLI (names)",
+    "VocabShard": "needs a tensor parallel process group; its device form without host reads is "
+    "checked on CPU by tests/test_vocab_parallel.py",
 }
 
 
