@@ -11,6 +11,7 @@ from lightning_kl.logprobs import FromHidden, token_logprobs, token_logprobs_fro
 from lightning_kl.loss import KLPenaltyLoss
 from lightning_kl.metric import KLMetric
 from lightning_kl.rollouts import OnPolicyRollouts
+from lightning_kl.sampling import OUTSIDE_MODES, SampledLogprobs, processed_logprobs, processed_logprobs_from_hidden
 from lightning_kl.sequence import LEVELS
 
 __version__ = "0.2.0"
@@ -28,14 +29,18 @@ __all__ = [
     "KLPenaltyLoss",
     "KLRewardCallback",
     "LEVELS",
+    "OUTSIDE_MODES",
     "OnPolicyRollouts",
     "SAMPLED_ESTIMATORS",
+    "SampledLogprobs",
     "aggregate",
     "full_kl",
     "full_kl_from_hidden",
     "hf",
     "kl_penalty",
     "parse_estimator",
+    "processed_logprobs",
+    "processed_logprobs_from_hidden",
     "step_totals",
     "token_logprobs",
     "token_logprobs_from_hidden",
