@@ -199,11 +199,12 @@ class _ProcessedLogprobs(torch.autograd.Function):
             out.masked_fill_(ignored, 0)
             log_kept.masked_fill_(ignored, 0)
         out.masked_fill_(outside, float("-inf"))
-        ctx.save_for_backward(x, weight, bias, ids, ignored, outside, lse_kept)
+        ctx.save_for_backward(x, weight, bias, ids, ignored, outside, lse_kept)  # outside: [n] flat
         ctx.proc, ctx.chunk_size = proc, chunk_size
-        ctx.mark_non_differentiable(log_kept, outside)
         lead = x.shape[:-1]
-        return out.view(lead), log_kept.view(lead), outside.view(lead)
+        log_kept, outside = log_kept.view(lead), outside.view(lead)
+        ctx.mark_non_differentiable(log_kept, outside)
+        return out.view(lead), log_kept, outside
 
     @staticmethod
     @once_differentiable
