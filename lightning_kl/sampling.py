@@ -112,7 +112,7 @@ def processed_logprobs(
         tensor([-1.3133], grad_fn=<_ProcessedLogprobsBackward>)
         >>> log_kept  # log((e^2 + e) / (e^2 + e + 1 + 1/e))
         tensor([-0.1269])
-        >>> lp.sum().backward(); logits.grad  # one-hot minus p~ on the kept set, 0 elsewhere
+        >>> lp.sum().backward(); logits.grad + 0.0  # one-hot minus p~ on the kept set, 0 elsewhere
         tensor([[-0.7311,  0.7311,  0.0000,  0.0000]])
     """
     check_floating("logits", logits)
