@@ -11,7 +11,14 @@ from lightning_kl.logprobs import FromHidden, token_logprobs, token_logprobs_fro
 from lightning_kl.loss import KLPenaltyLoss
 from lightning_kl.metric import KLMetric
 from lightning_kl.rollouts import OnPolicyRollouts
-from lightning_kl.sampling import OUTSIDE_MODES, SampledLogprobs, processed_logprobs, processed_logprobs_from_hidden
+from lightning_kl.sampling import (
+    OUTSIDE_MODES,
+    REFERENCES,
+    SampledLogprobs,
+    processed_full_kl,
+    processed_logprobs,
+    processed_logprobs_from_hidden,
+)
 from lightning_kl.sequence import LEVELS
 
 __version__ = "0.2.0"
@@ -31,6 +38,7 @@ __all__ = [
     "LEVELS",
     "OUTSIDE_MODES",
     "OnPolicyRollouts",
+    "REFERENCES",
     "SAMPLED_ESTIMATORS",
     "SampledLogprobs",
     "aggregate",
@@ -39,6 +47,7 @@ __all__ = [
     "hf",
     "kl_penalty",
     "parse_estimator",
+    "processed_full_kl",
     "processed_logprobs",
     "processed_logprobs_from_hidden",
     "step_totals",

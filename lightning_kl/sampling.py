@@ -18,11 +18,19 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from lightning_kl.ground.checks import check_floating, check_head, check_tokens
+from lightning_kl.ground.checks import check_floating, check_full_inputs, check_head, check_tokens
 from lightning_kl.kernels.logprobs import token_logprobs_from_hidden_kernel, token_logprobs_kernel
+from lightning_kl.kernels.processed_full import REFERENCES, processed_full_kl_kernel
 from lightning_kl.kernels.processing import Processing, check_processing, processed_logprobs_kernel
 
-__all__ = ["OUTSIDE_MODES", "SampledLogprobs", "processed_logprobs", "processed_logprobs_from_hidden"]
+__all__ = [
+    "OUTSIDE_MODES",
+    "REFERENCES",
+    "SampledLogprobs",
+    "processed_full_kl",
+    "processed_logprobs",
+    "processed_logprobs_from_hidden",
+]
 
 #: What to do with a token outside the kept set: ``"raise"`` (the sampler and the scorer disagree)
 #: or ``"-inf"`` (its processed log-prob, e.g. a reference's own processed distribution).
@@ -179,6 +187,69 @@ def processed_logprobs_from_hidden(
     if outside == "raise":
         _report_outside(out, tokens, proc)
     return SampledLogprobs(lp, log_kept)
+
+
+def processed_full_kl(
+    logits: Tensor,
+    ref_logits: Tensor,
+    mask: Optional[Tensor] = None,
+    *,
+    temperature: float = 1.0,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    min_p: Optional[float] = None,
+    reference: str = "policy_kept",
+    chunk_size: Optional[int] = None,
+) -> Tensor:
+    r"""Exact per-token :math:`\mathrm{KL}(\tilde\pi \,\|\, \pi_{\mathrm{ref}})` of the processed policy.
+
+    .. math::
+        \mathrm{KL} = \sum_{i \in K} \tilde p_i (\log \tilde p_i - \log q_i)
+
+    :math:`\tilde p`: the policy's processed distribution (:func:`processed_logprobs`), kept set
+    :math:`K`. The reference :math:`q` (``reference=``), always at the same temperature:
+
+    * ``"policy_kept"`` (default): the reference renormalized on the policy's kept set. The KL of the
+      two models restricted to what the sampler can draw; finite.
+    * ``"unprocessed"``: ``softmax(ref_logits / T)``, the whole vocabulary; finite; includes the
+      kept mass: :math:`\mathrm{KL} = \mathrm{KL}_{\texttt{policy\_kept}} - \log S^{\mathrm{ref}}_K`
+      where :math:`S^{\mathrm{ref}}_K` is the reference's mass on :math:`K`.
+    * ``"processed"``: the reference processed by the same rule on its own logits. ``+inf`` where
+      the policy keeps a token the reference removes; a backward through such a token raises.
+
+    Gradients are exact w.r.t. both logits (the kept sets are selections). Chunked like
+    :func:`lightning_kl.full_kl`; masked tokens are never read.
+
+    Args:
+        logits: ``[..., V]`` policy logits; ``ref_logits`` ``[..., V]`` the reference's.
+        mask: optional ``[...]``, True on valid tokens (value 0 and gradient exactly 0 elsewhere).
+        temperature, top_k, top_p, min_p: the sampler's processing (:func:`processed_logprobs`).
+        reference: one of :data:`REFERENCES`.
+        chunk_size: tokens per chunk.
+
+    Returns:
+        ``[...]`` KL per token, float32 (float64 for float64 inputs), differentiable w.r.t. both logits.
+
+    Raises:
+        ValueError: for a bad processing value, reference or chunk size (named, with the valid ones),
+            shapes that do not match; in backward, for a ``+inf`` KL (``"processed"``) with a gradient.
+        TypeError: for inputs that are not floating point tensors.
+
+    Example:
+        >>> z = torch.tensor([[2.0, 1.0, 0.0]])
+        >>> ref = torch.tensor([[0.0, 1.0, 2.0]])
+        >>> processed_full_kl(z, ref, top_k=2, reference="policy_kept")  # (e, 1)/(e+1) vs (1, e)/(1+e): (p0 - p1) log e
+        tensor([0.4621])
+        >>> processed_full_kl(z, ref, top_k=2, reference="processed")  # token 0 kept, removed by the reference's top-2
+        tensor([inf])
+    """
+    mask = check_full_inputs(logits, ref_logits, mask)
+    proc = check_processing(temperature, top_k, top_p, min_p)
+    if reference not in REFERENCES:
+        raise ValueError(f"`reference` must be one of {REFERENCES}, got {reference!r}.")
+    _check_chunk(chunk_size)
+    mask_flat = None if mask is None else mask.reshape(-1)
+    return processed_full_kl_kernel(logits, ref_logits, mask_flat, proc, reference, chunk_size)
 
 
 def _check_chunk(chunk_size: Any) -> None:
