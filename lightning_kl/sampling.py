@@ -18,7 +18,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from lightning_kl.ground.checks import check_floating, check_full_inputs, check_head, check_tokens
+from lightning_kl.ground.checks import check_floating, check_full_inputs, check_head, check_matching, check_tokens
 from lightning_kl.kernels.logprobs import token_logprobs_from_hidden_kernel, token_logprobs_kernel
 from lightning_kl.kernels.processed_full import REFERENCES, processed_full_kl_kernel
 from lightning_kl.kernels.processing import Processing, check_processing, processed_logprobs_kernel
@@ -79,6 +79,7 @@ def processed_logprobs(
     ignore_index: Optional[int] = None,
     *,
     outside: str = "raise",
+    kept_from: Optional[Tensor] = None,
     chunk_size: Optional[int] = None,
 ) -> SampledLogprobs:
     r"""Log-probs of ``tokens`` under the processed sampling distribution, and the kept mass.
@@ -102,6 +103,10 @@ def processed_logprobs(
         ignore_index: an id whose positions get 0 (both outputs) and exactly zero gradient.
         outside: a token outside the kept set: ``"raise"`` (default; the error names it) or ``"-inf"``
             (log-prob ``-inf``, zero gradient).
+        kept_from: optional ``[..., V]`` logits of another model (the policy's) whose processing
+            chooses the kept set: ``logits``' distribution (the reference's) renormalized on the
+            policy's kept set, the sampled reference of ``processed_full_kl(reference="policy_kept")``.
+            No gradient flows into it.
         chunk_size: rows per chunk.
 
     Returns:
@@ -130,10 +135,13 @@ def processed_logprobs(
     outside = _check_outside(outside)
     _check_chunk(chunk_size)
     ids, ignored = check_tokens(tokens, logits.shape[:-1], logits.shape[-1], logits.device, "logits", ignore_index)
+    if kept_from is not None:
+        check_matching("logits", logits, "kept_from", kept_from)
+        kept_from = kept_from.detach()
     if not proc.truncates:
         lp = token_logprobs_kernel(logits, ids, ignored, proc.temperature, chunk_size)
-        return SampledLogprobs(lp, torch.zeros_like(lp, requires_grad=False).detach())
-    lp, log_kept, out = processed_logprobs_kernel(logits, None, None, ids, ignored, proc, chunk_size)
+        return SampledLogprobs(lp, torch.zeros_like(lp).detach())
+    lp, log_kept, out = processed_logprobs_kernel(logits, None, None, ids, ignored, proc, chunk_size, kept_from)
     if outside == "raise":
         _report_outside(out, tokens, proc)
     return SampledLogprobs(lp, log_kept)

@@ -34,7 +34,7 @@ WEIGHTED_EXACT = ["k1", "kl", "k3", *TOKEN_EXACT]
 UNBIASED_VALUE = ["k1", "kl", "k3", "k1+", "kl+", "k3+"]
 PROCESSINGS = {
     "top_k": dict(temperature=1.3, top_k=2),
-    "top_p": dict(temperature=0.8, top_p=0.7),
+    "top_p": dict(temperature=1.2, top_p=0.8),
     "all": dict(temperature=0.9, top_k=4, top_p=0.9, min_p=0.1),
 }
 
@@ -95,29 +95,35 @@ def make(proc: dict, seed: int = 0) -> Setup:
 def setup(request) -> Setup:
     s = make(PROCESSINGS[request.param])
     kept = s.keep.sum(-1)
-    assert (kept < V).all() and (kept > 1).any()  # every prefix truncates, and sampling is random
+    assert (kept < V).all() and len(s.ys) >= 8  # every prefix truncates, and sampling is random
     return s
 
 
-def library_logprobs(s: Setup) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``lp`` (differentiable), ``ref`` (unprocessed reference at the temperature), ``old`` ``[N, L]``."""
+def library_logprobs(s: Setup, reference: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``lp`` (differentiable), ``ref`` and ``old`` ``[N, L]``; the reference at the temperature,
+    unprocessed or renormalized on the policy's kept set."""
     lp = lk.processed_logprobs(s.theta[s.rows], s.toks, **s.proc).logprobs
     old = lk.processed_logprobs(s.mu_logits[s.rows], s.toks, **s.proc).logprobs
-    ref = lk.token_logprobs(s.ref_logits[s.rows], s.toks, temperature=s.proc["temperature"])
+    if reference == "unprocessed":
+        ref = lk.token_logprobs(s.ref_logits[s.rows], s.toks, temperature=s.proc["temperature"])
+    else:
+        ref = lk.processed_logprobs(s.ref_logits[s.rows], s.toks, **s.proc, kept_from=s.theta[s.rows]).logprobs
     return lp, ref, old
 
 
-def formula(s: Setup) -> dict[str, torch.Tensor]:
+def formula(s: Setup, reference: str = "unprocessed") -> dict[str, torch.Tensor]:
     T = s.proc["temperature"]
     log_pt = log_processed(s.theta, s.keep, T)  # differentiable
     log_ref = torch.log_softmax(s.ref_logits / T, -1)
+    if reference == "policy_kept":
+        log_ref = log_processed(s.ref_logits, s.keep, T)
     log_mu = log_processed(s.mu_logits, kept_set(s.mu_logits, **s.proc), T)
     pos = (s.rows, s.toks)
     log_pi_y = log_pt[pos].sum(-1)
     kl = (log_pi_y.exp() * (log_pi_y - log_ref[pos].sum(-1))).sum()
     # token level: each prefix's KL, weighted by the prefix's mass (fixed)
     p = log_pt.exp()
-    kl_prefix = (p * (log_pt - log_ref)).where(s.keep, 0).sum(-1)
+    kl_prefix = (p * (log_pt.where(s.keep, 0) - log_ref.where(s.keep, 0))).sum(-1)  # 0 log 0 = 0, no NaN gradient
     mass = torch.stack([log_pt[[s.prefixes.index(pre[:t]) for t in range(len(pre))], list(pre)].sum() for pre in s.prefixes]).exp()
     kl_token = (mass.detach() * kl_prefix).sum()
     return {
@@ -127,12 +133,13 @@ def formula(s: Setup) -> dict[str, torch.Tensor]:
         "mu": log_mu[pos].sum(-1).exp(),
         "kl_prefix": kl_prefix,
         "mass": mass.detach(),
+        "ref_mass_off_kept": (1 - log_ref.exp().where(s.keep, 0).sum(-1)),
     }
 
 
-def expectation(s: Setup, name: str, mode: str, level: str, logprobs=None) -> tuple[float, torch.Tensor]:
-    lp, ref, old = library_logprobs(s) if logprobs is None else logprobs
-    f = formula(s)
+def expectation(s: Setup, name: str, mode: str, level: str, reference: str = "unprocessed", logprobs=None) -> tuple[float, torch.Tensor]:
+    lp, ref, old = library_logprobs(s, reference) if logprobs is None else logprobs
+    f = formula(s, reference)
     out = lk.kl_penalty(lp, ref, name, old_logprob={"on": None, "off": old}[mode], level=level)
     value = (f["mu" if mode == "off" else "pi"] * out.sum(-1)).sum()
     (grad,) = torch.autograd.grad(value, s.theta)
@@ -145,9 +152,12 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def test_the_library_log_probs_are_the_formula_and_the_distributions_sum_to_one(setup):
     f = formula(setup)
-    lp, _, _ = library_logprobs(setup)
+    lp, _, _ = library_logprobs(setup, "unprocessed")
     want = log_processed(setup.theta, setup.keep, setup.proc["temperature"])[setup.rows, setup.toks]
     assert_close(lp, want, rtol=0, atol=1e-13)
+    _, ref, _ = library_logprobs(setup, "policy_kept")
+    want = log_processed(setup.ref_logits, setup.keep, setup.proc["temperature"])[setup.rows, setup.toks]
+    assert_close(ref, want, rtol=0, atol=1e-13)
     assert f["pi"].sum().item() == pytest.approx(1, abs=1e-12)
     assert f["mu"].sum().item() == pytest.approx(1, abs=1e-12)
     assert len(setup.ys) < V**L  # the truncation removes responses
@@ -157,40 +167,61 @@ def test_the_library_log_probs_are_the_formula_and_the_distributions_sum_to_one(
 # without processing: the sequence level carries the prefix weights
 @pytest.mark.parametrize("mode,level", [("on", "token"), ("on", "sequence"), ("off", "sequence")])
 @pytest.mark.parametrize("name", UNBIASED_VALUE)
-def test_expected_value_is_the_kl_of_the_processed_policy(setup, name, mode, level):
-    value, _ = expectation(setup, name, mode, level)
-    assert value == pytest.approx(formula(setup)["kl"].item(), rel=1e-11)
+def test_expected_value_is_the_kl_against_the_reference_on_the_kept_set(setup, name, mode, level):
+    value, _ = expectation(setup, name, mode, level, "policy_kept")
+    assert value == pytest.approx(formula(setup, "policy_kept")["kl"].item(), rel=1e-11)
 
 
+@pytest.mark.parametrize("mode,level", [("on", "token"), ("on", "sequence"), ("off", "sequence")])
+@pytest.mark.parametrize("name", UNBIASED_VALUE)
+def test_against_the_unprocessed_reference_k1_is_unbiased_and_k3_misses_the_mass_off_the_kept_set(setup, name, mode, level):
+    # E[exp(-d)] = sum over the kept set of the reference's probabilities = 1 - (its mass off the set):
+    # k3's value is KL - E_prefix[mass off the kept set], k1's is the KL
+    f = formula(setup, "unprocessed")
+    value, _ = expectation(setup, name, mode, level, "unprocessed")
+    want = f["kl"].item()
+    if name.startswith("k3"):
+        want -= (f["mass"] * f["ref_mass_off_kept"]).sum().item()
+        assert abs(want - f["kl"].item()) > 0.05 * f["kl"].item()
+    assert value == pytest.approx(want, rel=1e-11)
+
+
+@pytest.mark.parametrize("reference", ["unprocessed", "policy_kept"])
 @pytest.mark.parametrize("name", TOKEN_EXACT)
-def test_on_policy_sequence_gradient_is_the_processed_kl_gradient(setup, name):
-    (grad_kl,) = torch.autograd.grad(formula(setup)["kl"], setup.theta)
-    _, grad = expectation(setup, name, "on", "sequence")
+def test_on_policy_sequence_gradient_is_the_processed_kl_gradient(setup, name, reference):
+    (grad_kl,) = torch.autograd.grad(formula(setup, reference)["kl"], setup.theta)
+    _, grad = expectation(setup, name, "on", "sequence", reference)
     assert rel_err(grad, grad_kl) < 1e-9
     # the token level is another vector: the gradient of each prefix's KL, prefix mass fixed
-    (grad_token,) = torch.autograd.grad(formula(setup)["kl_token"], setup.theta)
-    _, grad_t = expectation(setup, name, "on", "token")
+    (grad_token,) = torch.autograd.grad(formula(setup, reference)["kl_token"], setup.theta)
+    _, grad_t = expectation(setup, name, "on", "token", reference)
     assert rel_err(grad_t, grad_token) < 1e-9
     assert rel_err(grad_token, grad_kl) > 0.1
 
 
+@pytest.mark.parametrize("reference", ["unprocessed", "policy_kept"])
 @pytest.mark.parametrize("name", WEIGHTED_EXACT)
-def test_off_policy_sequence_gradient_is_the_processed_kl_gradient(setup, name):
-    (grad_kl,) = torch.autograd.grad(formula(setup)["kl"], setup.theta)
-    _, grad = expectation(setup, name, "off", "sequence")
+def test_off_policy_sequence_gradient_is_the_processed_kl_gradient(setup, name, reference):
+    (grad_kl,) = torch.autograd.grad(formula(setup, reference)["kl"], setup.theta)
+    _, grad = expectation(setup, name, "off", "sequence", reference)
     assert rel_err(grad, grad_kl) < 1e-9
 
 
 def test_full_vocabulary_log_probs_of_processed_samples_are_biased(setup):
     # the same samples scored with log softmax(z / T): the weights are off by the kept mass
-    lp, ref, old = library_logprobs(setup)
-    T = setup.proc["temperature"]
-    full = lk.token_logprobs(setup.theta[setup.rows], setup.toks, temperature=T)
-    kl = formula(setup)["kl"].item()
-    value, _ = expectation(setup, "k3", "on", "sequence", logprobs=(full, ref, old))
-    assert abs(value - kl) > 0.02 * kl
-    (grad_kl,) = torch.autograd.grad(formula(setup)["kl"], setup.theta)
-    _, grad = expectation(setup, "k3+", "on", "sequence", logprobs=(full, ref, old))
+
+    def scored(old_full: bool = False):
+        lp, ref, old = library_logprobs(setup, "unprocessed")
+        full = lk.token_logprobs(setup.theta[setup.rows], setup.toks, temperature=setup.proc["temperature"])
+        return (lp, ref, full.detach()) if old_full else (full, ref, old)
+
+    kl = formula(setup)["kl"]
+    (grad_kl,) = torch.autograd.grad(kl, setup.theta)
+    value, _ = expectation(setup, "k1", "on", "sequence", logprobs=scored())
+    assert abs(value - kl.item()) > 0.02 * kl.item()
+    _, grad = expectation(setup, "k3+", "on", "sequence", logprobs=scored())
+    assert rel_err(grad, grad_kl) > 0.05
+    _, grad = expectation(setup, "k2", "off", "sequence", logprobs=scored(old_full=True))  # a full-softmax old_logprob
     assert rel_err(grad, grad_kl) > 0.05
 
 
@@ -203,7 +234,7 @@ def test_exact_processed_kl_is_each_prefix_kl(setup, reference):
     log_q = torch.log_softmax(setup.ref_logits / T, -1)
     if reference == "policy_kept":
         log_q = log_processed(setup.ref_logits, setup.keep, T)
-    want = (log_pt.exp() * (log_pt - log_q)).where(setup.keep, 0).sum(-1)
+    want = (log_pt.exp() * (log_pt.where(setup.keep, 0) - log_q.where(setup.keep, 0))).sum(-1)
     if reference == "unprocessed":
         assert_close(want, formula(setup)["kl_prefix"], rtol=0, atol=1e-14)
     assert_close(got, want, rtol=1e-12, atol=1e-14)

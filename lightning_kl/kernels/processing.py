@@ -128,15 +128,17 @@ def processed_logprobs_kernel(
     ignored: Optional[Tensor],
     proc: Processing,
     chunk_size: Optional[int],
+    kept_from: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Processed log-probs of ``ids [n]`` (int64, in range), the kept log-mass and the outside flags.
 
     ``x`` is the logits ``[..., V]`` (``weight`` None) or the hidden states ``[..., d]`` with the head
-    ``weight [V, d]`` and ``bias``. Returns ``(logprobs, log_kept, outside)``, each ``[...]``:
+    ``weight [V, d]`` and ``bias``. ``kept_from`` (logits ``[..., V]`` of another model, no gradient)
+    chooses the kept set instead of ``x``: ``x``'s distribution renormalized on that set. Returns ``(logprobs, log_kept, outside)``, each ``[...]``:
     ``logprobs`` differentiable (``-inf`` with zero gradient where the token is outside the kept set),
     ``log_kept`` without grad, ``outside`` bool. Ignored tokens: 0, 0, False, zero gradient.
     """
-    out, log_kept, outside = _ProcessedLogprobs.apply(x, weight, bias, ids, ignored, proc, chunk_size)
+    out, log_kept, outside = _ProcessedLogprobs.apply(x, weight, bias, ids, ignored, proc, chunk_size, kept_from)
     return out, log_kept, outside
 
 
@@ -152,13 +154,22 @@ def _items(src: Rows | LinearRows, n: int, chunk_size: int, device: torch.device
     return [(p, rows[p]) for p in pos]
 
 
-def _scores(src: Rows | LinearRows, idx: slice | Tensor, dtype: torch.dtype, proc: Processing) -> tuple[Tensor, Tensor]:
-    """A chunk's tempered scores (a fresh tensor) and its processed scores."""
+def _scores(
+    src: Rows | LinearRows, idx: slice | Tensor, dtype: torch.dtype, proc: Processing, kept_from: Optional[Rows]
+) -> tuple[Tensor, Tensor]:
+    """A chunk's tempered scores (a fresh tensor) and its processed scores (kept set from ``kept_from``)."""
+    z = _tempered(src, idx, dtype, proc)
+    if kept_from is None:
+        return z, process_scores(z, proc)
+    removed = process_scores(_tempered(kept_from, idx, dtype, proc), proc) == float("-inf")
+    return z, z.masked_fill(removed, float("-inf"))
+
+
+def _tempered(src: Rows | LinearRows, idx: slice | Tensor, dtype: torch.dtype, proc: Processing) -> Tensor:
     chunk, _ = src.read(idx)
     z = chunk.to(dtype)
     # as generate: scores / temperature; a fresh tensor either way (the backward writes in it)
-    z = z / proc.temperature if proc.temperature != 1.0 else (z.clone() if z is chunk else z)
-    return z, process_scores(z, proc)
+    return z / proc.temperature if proc.temperature != 1.0 else (z.clone() if z is chunk else z)
 
 
 class _ProcessedLogprobs(torch.autograd.Function):
@@ -172,8 +183,10 @@ class _ProcessedLogprobs(torch.autograd.Function):
         ignored: Optional[Tensor],
         proc: Processing,
         chunk_size: Optional[int],
+        kept_from: Optional[Tensor],
     ) -> tuple[Tensor, Tensor, Tensor]:
         src = _reader(x, weight, bias)
+        support = None if kept_from is None else Rows(kept_from)
         n, vocab, device = ids.numel(), src.vocab, x.device
         dtype = compute_dtype(x)
         if chunk_size is None:
@@ -186,7 +199,7 @@ class _ProcessedLogprobs(torch.autograd.Function):
 
         def work(item: tuple[slice, slice | Tensor], state: Any) -> None:
             pos, idx = item
-            z, kept = _scores(src, idx, dtype, proc)
+            z, kept = _scores(src, idx, dtype, proc, support)
             y = ids[pos].unsqueeze(1)
             lse_kept[pos] = torch.logsumexp(kept, dim=-1)
             log_kept[pos] = lse_kept[pos] - torch.logsumexp(z, dim=-1)
@@ -199,7 +212,7 @@ class _ProcessedLogprobs(torch.autograd.Function):
             out.masked_fill_(ignored, 0)
             log_kept.masked_fill_(ignored, 0)
         out.masked_fill_(outside, float("-inf"))
-        ctx.save_for_backward(x, weight, bias, ids, ignored, outside, lse_kept)  # outside: [n] flat
+        ctx.save_for_backward(x, weight, bias, ids, ignored, outside, lse_kept, kept_from)  # outside: [n] flat
         ctx.proc, ctx.chunk_size = proc, chunk_size
         lead = x.shape[:-1]
         log_kept, outside = log_kept.view(lead), outside.view(lead)
@@ -209,9 +222,10 @@ class _ProcessedLogprobs(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_out: Tensor, _g_kept: Any, _g_outside: Any) -> tuple[Optional[Tensor], ...]:
-        x, weight, bias, ids, ignored, outside, lse_kept = ctx.saved_tensors
+        x, weight, bias, ids, ignored, outside, lse_kept, kept_from = ctx.saved_tensors
         proc: Processing = ctx.proc
         src = _reader(x, weight, bias)
+        support = None if kept_from is None else Rows(kept_from)
         n, vocab, device, dtype = ids.numel(), src.vocab, x.device, lse_kept.dtype
         # s = dL/d(log-prob) / T, 0 on ignored tokens and on tokens outside the kept set (their
         # value is -inf whatever the logits: a constant)
@@ -228,7 +242,7 @@ class _ProcessedLogprobs(torch.autograd.Function):
 
         def work(item: tuple[slice, slice | Tensor], state: Any) -> None:
             pos, idx = item
-            _, kept = _scores(src, idx, dtype, proc)
+            _, kept = _scores(src, idx, dtype, proc, support)
             sb = s[pos].unsqueeze(1)
             # dl/dz_i = s ([i = y] - [i in K] p~_i); exp(-inf - lse) = 0 off the kept set
             g = kept.sub_(lse_kept[pos].unsqueeze(1)).exp_().mul_(sb.neg())
@@ -257,11 +271,12 @@ class _ProcessedLogprobs(torch.autograd.Function):
         run_chunks(work, _items(src, n, ctx.chunk_size, device), device)
         if weight is None:
             grad = None if grad_x is None else grad_x.view(x.shape)
-            return grad, None, None, None, None, None, None
+            return grad, None, None, None, None, None, None, None
         return (
             None if grad_h is None else grad_h.view(x.shape),
             None if acc_w is None else acc_w.to(weight.dtype),
             None if acc_b is None else acc_b.to(bias.dtype),
+            None,
             None,
             None,
             None,
