@@ -91,6 +91,15 @@ def make(proc: dict, seed: int = 0) -> Setup:
     return Setup(theta.requires_grad_(), ref, mu, proc, keep, ys, rows, torch.tensor(ys), prefixes)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # tiny tensors: on shared cores each op's OpenMP barrier costs more than its work (47 s -> 4 s)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module", params=list(PROCESSINGS))
 def setup(request) -> Setup:
     s = make(PROCESSINGS[request.param])
