@@ -97,7 +97,7 @@ def check_processing(temperature: Any = 1.0, top_k: Any = None, top_p: Any = Non
 
 
 def process_scores(scores: Tensor, proc: Processing) -> Tensor:
-    """``generate``'s top-k, top-p and min-p on tempered scores ``[c, V]``: removed entries -> ``-inf``.
+    """``generate``'s top-k, top-p and min-p on tempered scores ``[..., V]``: removed entries -> ``-inf``.
 
     The same ops as ``transformers``' ``TopKLogitsWarper``, ``TopPLogitsWarper`` and
     ``MinPLogitsWarper`` (``min_tokens_to_keep=1``, sampling without beams), in that order, so that
@@ -111,7 +111,7 @@ def process_scores(scores: Tensor, proc: Processing) -> Tensor:
         sorted_scores, order = torch.sort(scores, descending=False)
         remove = sorted_scores.softmax(dim=-1).cumsum(dim=-1) <= (1 - proc.top_p)
         remove[..., -1:] = False
-        scores = scores.masked_fill(remove.scatter(1, order, remove), ninf)
+        scores = scores.masked_fill(remove.scatter(-1, order, remove), ninf)
     if proc.min_p is not None:
         probs = torch.softmax(scores, dim=-1)
         remove = probs < proc.min_p * probs.amax(dim=-1, keepdim=True)
