@@ -150,6 +150,11 @@ class ArithmeticDataModule(pl.LightningDataModule):
         rollouts: rollout batches per epoch (one ``training_step`` each).
         temperature: the sampling temperature (the log-probs are taken at it too).
         reference_samples: samples drawn from the reference at the start to measure its accuracy.
+        top_k, top_p, min_p: the sampler's truncation, passed to ``generate`` (0, 1.0, None: off).
+        score_processed: score the rollouts with the log-probs of the processed distribution they
+            were sampled from (:func:`lightning_kl.processed_logprobs`; the reference renormalized on
+            the policy's kept set, and the exact KL of :func:`lightning_kl.processed_full_kl` with
+            ``reference="policy_kept"``), or, False, with the full-vocabulary softmax (the contrast).
     """
 
     def __init__(
@@ -162,6 +167,10 @@ class ArithmeticDataModule(pl.LightningDataModule):
         rollouts: int = 300,
         temperature: float = 1.0,
         reference_samples: int = 1024,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        min_p: Optional[float] = None,
+        score_processed: bool = True,
     ) -> None:
         super().__init__()
         if not 1 <= max_operand <= 1000:
@@ -176,8 +185,23 @@ class ArithmeticDataModule(pl.LightningDataModule):
                             ("rollouts", rollouts), ("reference_samples", reference_samples)]:
             if not value >= 1:
                 raise ValueError(f"`{name}` must be >= 1, got {value!r}.")
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+            raise ValueError(f"`top_k` must be an integer >= 0 (0: off), got {top_k!r}.")
+        for name, value in [("top_p", top_p), ("min_p", 0.0 if min_p is None else min_p)]:
+            if not 0 <= value <= 1:
+                raise ValueError(f"`{name}` must be in [0, 1], got {value!r}.")
         self.save_hyperparameters()
         self.tokenizer = build_tokenizer()
+
+    @property
+    def processing(self) -> dict[str, Any]:
+        """The sampler's truncation, as ``generate`` and :func:`lightning_kl.hf.response_logprobs` take it."""
+        return {"top_k": self.hparams.top_k, "top_p": self.hparams.top_p, "min_p": self.hparams.min_p}
+
+    @property
+    def scoring(self) -> dict[str, Any]:
+        """The processing keywords the rollouts are scored with (none: the full softmax)."""
+        return self.processing if self.hparams.score_processed else {}
 
     def corpus_config(self) -> dict[str, Any]:
         return {"max_operand": self.hparams.max_operand, "p_correct": self.hparams.p_correct}
@@ -197,15 +221,20 @@ class ArithmeticDataModule(pl.LightningDataModule):
         h = self.hparams
         enc = self.tokenizer([prompt_text(a, b) for a, b in problems], return_tensors="pt", padding=True)
         prompt_ids, prompt_am = enc["input_ids"].to(device), enc["attention_mask"].to(device)
-        sequences = model.generate(
+        out = model.generate(
             input_ids=prompt_ids, attention_mask=prompt_am, do_sample=True, temperature=h.temperature,
-            top_k=0, top_p=1.0, max_new_tokens=h.max_new_tokens, pad_token_id=PAD_ID, eos_token_id=EOS_ID,
+            max_new_tokens=h.max_new_tokens, pad_token_id=PAD_ID, eos_token_id=EOS_ID,
+            output_scores=True, return_dict_in_generate=True, **self.processing,
         )
+        sequences = out.sequences
         p = prompt_ids.shape[1]
         mask = hf.response_mask(sequences[:, p:], EOS_ID)
         attention_mask, _ = hf.sequence_inputs(prompt_am, mask)
         scores = score(self.tokenizer, sequences[:, p:], mask, problems)
-        return {"sequences": sequences, "attention_mask": attention_mask, "mask": mask, "scores": scores}
+        # the log-probs the sampler drew with: generate's processed scores, [b, t]
+        sampler_lp = torch.log_softmax(torch.stack(out.scores, 1).float(), -1).gather(-1, sequences[:, p:, None])[..., 0]
+        return {"sequences": sequences, "attention_mask": attention_mask, "mask": mask, "scores": scores,
+                "sampler_logprobs": sampler_lp}
 
     @torch.no_grad()
     def rollout(self, module: "HFGRPO", n_prompts: Optional[int] = None) -> dict[str, Tensor]:
@@ -226,16 +255,29 @@ class ArithmeticDataModule(pl.LightningDataModule):
         batch = self.sample(policy, problems, module.device)
         seq, am, mask = batch["sequences"], batch["attention_mask"], batch["mask"]
         p = seq.shape[1] - mask.shape[1]
-        logprobs, logits = hf.response_logprobs(policy, seq, am, p, h.temperature, return_logits=True)
-        ref_logprobs, ref_logits = hf.reference_logprobs(policy, seq, am, p, h.temperature, return_logits=True)
+        logprobs, logits = hf.response_logprobs(policy, seq, am, p, h.temperature, return_logits=True, **self.scoring)
+        # the reference on the policy's kept set (scored processed): k3's value is then unbiased too
+        ref_kw = dict(self.scoring, kept_from=logits) if self.scoring else {}
+        ref_logprobs, ref_logits = hf.reference_logprobs(policy, seq, am, p, h.temperature, return_logits=True, **ref_kw)
         policy.train(was_training)
+        # the exact KL of the next-token distributions (0 on padding): summed over a response, an
+        # unbiased estimate of the responses' KL (chain rule), no estimator noise; of the full softmax
+        # and of the processed policy against the reference on its kept set
+        kl_full = lk.kl_penalty(logits, ref_logits, "full", mask=mask, temperature=h.temperature)
+        kl_processed = lk.processed_full_kl(logits, ref_logits, mask, temperature=h.temperature, **self.processing)
+        # importance ratios of the scorer against the sampler, full softmax and processed
+        tokens = seq[:, p:].masked_fill(~mask, -100)
+        full_lp = lk.token_logprobs(logits, tokens, h.temperature, ignore_index=-100)
+        proc_lp = lk.processed_logprobs(logits, tokens, h.temperature, ignore_index=-100, **self.processing).logprobs
         batch.update(
             logprobs=logprobs,
             ref_logprobs=ref_logprobs,
             group=torch.arange(n_prompts, device=seq.device).repeat_interleave(h.group_size),
-            # the exact KL of the next-token distributions over the vocabulary (0 on padding): summed
-            # over a response, an unbiased estimate of the responses' KL (chain rule), no estimator noise
-            true_kl=lk.kl_penalty(logits, ref_logits, "full", mask=mask, temperature=h.temperature),
+            true_kl=kl_processed if self.scoring else kl_full,
+            kl_full=kl_full,
+            kl_processed=kl_processed,
+            ratio_full=torch.exp(full_lp - batch["sampler_logprobs"]),
+            ratio_processed=torch.exp(proc_lp - batch["sampler_logprobs"]),
         )
         return batch
 
@@ -405,7 +447,8 @@ class HFGRPO(pl.LightningModule):
         returns = torch.where(mask, rewards, 0.0).sum(-1) if rewards is not None else batch["scores"]
         adv = group_advantages(returns, batch["group"])[:, None]
 
-        logprobs = hf.response_logprobs(self.policy, seq, am, p, self.trainer.datamodule.hparams.temperature)
+        dm = self.trainer.datamodule
+        logprobs = hf.response_logprobs(self.policy, seq, am, p, dm.hparams.temperature, **dm.scoring)
         ratio = torch.exp(logprobs - batch["logprobs"])  # token-level; 1 on the first step over a rollout
         clipped = ratio.clamp(1 - self.hparams.clip_eps, 1 + self.hparams.clip_eps)
         pg_loss = lk.aggregate(-torch.minimum(ratio * adv, clipped * adv), mask, "token-mean")
@@ -417,6 +460,12 @@ class HFGRPO(pl.LightningModule):
         self.log("train/reward", returns.mean(), prog_bar=True, batch_size=n)
         self.log("train/kl", lk.aggregate(batch["true_kl"], mask, "token-mean"), prog_bar=True, batch_size=n)
         self.log("train/kl_seq", batch["true_kl"].sum(-1).mean(), batch_size=n)
+        if "ratio_full" in batch:  # the sampler against the scorer: full softmax vs processed
+            for name in ("full", "processed"):
+                r = batch[f"ratio_{name}"][mask]
+                self.log(f"sampling/ratio_{name}_mean", r.mean(), batch_size=n)
+                self.log(f"sampling/ratio_{name}_out", ((r < 0.9) | (r > 1.1)).float().mean(), batch_size=n)
+                self.log(f"sampling/kl_{name}_seq", batch[f"kl_{name}"].sum(-1).mean(), batch_size=n)
         self.log("train/kl_est", self.kl.metric, batch_size=n)
         self.log("train/ref_acc", self.ref_acc, batch_size=n)
         self.log("train/loss", loss.detach(), batch_size=n)
