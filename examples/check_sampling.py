@@ -3,6 +3,8 @@ r"""The sampler against the scorer in the Hugging Face example: full-vocabulary 
     python examples/hf_grpo.py fit --config examples/configs/hf_grpo_lora.yaml
     python examples/hf_grpo.py fit --config examples/configs/hf_grpo_lora.yaml \
         --data.score_processed=false --trainer.logger.init_args.name=hf_grpo_lora_fullvocab
+    python examples/hf_grpo.py fit --config examples/configs/hf_grpo_lora.yaml \
+        --data.reference=policy_kept --trainer.logger.init_args.name=hf_grpo_lora_policykept
     python examples/check_sampling.py runs/hf_grpo
 
 ``generate`` samples with ``temperature`` and ``top_p`` (the YAML). Every rollout logs the importance
@@ -11,7 +13,8 @@ response token: ``sampling/ratio_full_*`` for the full-vocabulary ``log_softmax(
 ``sampling/ratio_processed_*`` for :func:`lightning_kl.processed_logprobs` (``_mean``: the mean ratio,
 ``_out``: the share of tokens outside [0.9, 1.1]), and both exact KLs per response
 (``sampling/kl_full_seq``: the full softmax against the reference's; ``sampling/kl_processed_seq``:
-the processed policy against the reference on its kept set). For each run (newest ``version_*``
+the processed policy against the reference's softmax; ``sampling/kl_policy_kept_seq``: against the
+reference renormalized on the policy's kept set). For each run (newest ``version_*``
 under ``RUNS_DIR/<name>/``) this prints the ratio statistics over all rollouts, and the accuracy and
 both exact KLs over the last quarter of the rollouts. Standard library only.
 """
@@ -26,7 +29,7 @@ if str(Path(__file__).resolve().parent) not in sys.path:  # loaded by path: find
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _runs  # noqa: E402
 
-RUNS = ("hf_grpo_lora", "hf_grpo_lora_fullvocab")
+RUNS = ("hf_grpo_lora", "hf_grpo_lora_fullvocab", "hf_grpo_lora_policykept")
 RATIOS = ("ratio_full_mean", "ratio_full_out", "ratio_processed_mean", "ratio_processed_out")
 
 
@@ -38,7 +41,7 @@ def summarize(log_dir: Path) -> dict[str, float]:
     out["steps"] = len(rows)
     out["acc"] = _runs.last_quarter_mean([r["train/acc"] for r in rows])
     out["ref_acc"] = rows[0]["train/ref_acc"]
-    for name in ("kl_full_seq", "kl_processed_seq"):
+    for name in ("kl_full_seq", "kl_processed_seq", "kl_policy_kept_seq"):
         out[name] = _runs.last_quarter_mean([r[f"sampling/{name}"] for r in rows])
     return out
 
@@ -48,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("runs_dir", type=Path)
     parser.add_argument("--runs", nargs="+", default=list(RUNS))
     args = parser.parse_args(argv)
-    print("run                      steps  ratio full: mean  out   processed: mean  out    ref acc  acc    KL/resp full  processed")
+    print("run                      steps  ratio full: mean  out   processed: mean  out    ref acc  acc    KL/resp full  processed  policy_kept")
     found = 0
     for name in args.runs:
         log_dir = _runs.latest_version(args.runs_dir / name)
@@ -60,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{name:24s} {s['steps']:5.0f}  {s['ratio_full_mean']:16.4f} {s['ratio_full_out']:5.3f}"
             f"  {s['ratio_processed_mean']:15.4f} {s['ratio_processed_out']:5.3f}"
-            f"  {s['ref_acc']:7.3f}  {s['acc']:5.3f}  {s['kl_full_seq']:12.3f}  {s['kl_processed_seq']:9.3f}"
+            f"  {s['ref_acc']:7.3f}  {s['acc']:5.3f}  {s['kl_full_seq']:12.3f}  {s['kl_processed_seq']:9.3f}  {s['kl_policy_kept_seq']:11.3f}"
             f"  {log_dir}"
         )
     return 0 if found else 1

@@ -152,9 +152,11 @@ class ArithmeticDataModule(pl.LightningDataModule):
         reference_samples: samples drawn from the reference at the start to measure its accuracy.
         top_k, top_p, min_p: the sampler's truncation, passed to ``generate`` (0, 1.0, None: off).
         score_processed: score the rollouts with the log-probs of the processed distribution they
-            were sampled from (:func:`lightning_kl.processed_logprobs`; the reference renormalized on
-            the policy's kept set, and the exact KL of :func:`lightning_kl.processed_full_kl` with
-            ``reference="policy_kept"``), or, False, with the full-vocabulary softmax (the contrast).
+            were sampled from (:func:`lightning_kl.processed_logprobs`), or, False, with the
+            full-vocabulary softmax (the contrast).
+        reference: the reference of the processed policy's KL (:data:`lightning_kl.REFERENCES`):
+            ``"unprocessed"`` (its softmax at the temperature) or ``"policy_kept"`` (renormalized on the
+            policy's kept set: blind to which tokens the policy keeps, see ``docs/sampling.md``).
     """
 
     def __init__(
@@ -171,6 +173,7 @@ class ArithmeticDataModule(pl.LightningDataModule):
         top_p: float = 1.0,
         min_p: Optional[float] = None,
         score_processed: bool = True,
+        reference: str = "unprocessed",
     ) -> None:
         super().__init__()
         if not 1 <= max_operand <= 1000:
@@ -187,6 +190,8 @@ class ArithmeticDataModule(pl.LightningDataModule):
                 raise ValueError(f"`{name}` must be >= 1, got {value!r}.")
         if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
             raise ValueError(f"`top_k` must be an integer >= 0 (0: off), got {top_k!r}.")
+        if reference not in ("unprocessed", "policy_kept"):
+            raise ValueError(f"`reference` must be 'unprocessed' or 'policy_kept', got {reference!r}.")
         for name, value in [("top_p", top_p), ("min_p", 0.0 if min_p is None else min_p)]:
             if not 0 <= value <= 1:
                 raise ValueError(f"`{name}` must be in [0, 1], got {value!r}.")
@@ -256,15 +261,18 @@ class ArithmeticDataModule(pl.LightningDataModule):
         seq, am, mask = batch["sequences"], batch["attention_mask"], batch["mask"]
         p = seq.shape[1] - mask.shape[1]
         logprobs, logits = hf.response_logprobs(policy, seq, am, p, h.temperature, return_logits=True, **self.scoring)
-        # the reference on the policy's kept set (scored processed): k3's value is then unbiased too
-        ref_kw = dict(self.scoring, kept_from=logits) if self.scoring else {}
+        # the reference's softmax, or the reference on the policy's kept set
+        ref_kw = dict(self.scoring, kept_from=logits) if self.scoring and h.reference == "policy_kept" else {}
         ref_logprobs, ref_logits = hf.reference_logprobs(policy, seq, am, p, h.temperature, return_logits=True, **ref_kw)
         policy.train(was_training)
         # the exact KL of the next-token distributions (0 on padding): summed over a response, an
-        # unbiased estimate of the responses' KL (chain rule), no estimator noise; of the full softmax
-        # and of the processed policy against the reference on its kept set
+        # unbiased estimate of the responses' KL (chain rule), no estimator noise; of the full
+        # softmax, and of the processed policy against the reference's softmax and on its kept set
         kl_full = lk.kl_penalty(logits, ref_logits, "full", mask=mask, temperature=h.temperature)
-        kl_processed = lk.processed_full_kl(logits, ref_logits, mask, temperature=h.temperature, **self.processing)
+        kl_processed, kl_policy_kept = (
+            lk.processed_full_kl(logits, ref_logits, mask, temperature=h.temperature, reference=r, **self.processing)
+            for r in ("unprocessed", "policy_kept")
+        )
         # importance ratios of the scorer against the sampler, full softmax and processed
         tokens = seq[:, p:].masked_fill(~mask, -100)
         full_lp = lk.token_logprobs(logits, tokens, h.temperature, ignore_index=-100)
@@ -273,9 +281,10 @@ class ArithmeticDataModule(pl.LightningDataModule):
             logprobs=logprobs,
             ref_logprobs=ref_logprobs,
             group=torch.arange(n_prompts, device=seq.device).repeat_interleave(h.group_size),
-            true_kl=kl_processed if self.scoring else kl_full,
+            true_kl=(kl_processed if h.reference == "unprocessed" else kl_policy_kept) if self.scoring else kl_full,
             kl_full=kl_full,
             kl_processed=kl_processed,
+            kl_policy_kept=kl_policy_kept,
             ratio_full=torch.exp(full_lp - batch["sampler_logprobs"]),
             ratio_processed=torch.exp(proc_lp - batch["sampler_logprobs"]),
         )
@@ -465,6 +474,7 @@ class HFGRPO(pl.LightningModule):
                 r = batch[f"ratio_{name}"][mask]
                 self.log(f"sampling/ratio_{name}_mean", r.mean(), batch_size=n)
                 self.log(f"sampling/ratio_{name}_out", ((r < 0.9) | (r > 1.1)).float().mean(), batch_size=n)
+            for name in ("full", "processed", "policy_kept"):
                 self.log(f"sampling/kl_{name}_seq", batch[f"kl_{name}"].sum(-1).mean(), batch_size=n)
         self.log("train/kl_est", self.kl.metric, batch_size=n)
         self.log("train/ref_acc", self.ref_acc, batch_size=n)

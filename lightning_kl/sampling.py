@@ -206,7 +206,7 @@ def processed_full_kl(
     top_k: Optional[int] = None,
     top_p: Optional[float] = None,
     min_p: Optional[float] = None,
-    reference: str = "policy_kept",
+    reference: str = "unprocessed",
     chunk_size: Optional[int] = None,
 ) -> Tensor:
     r"""Exact per-token :math:`\mathrm{KL}(\tilde\pi \,\|\, \pi_{\mathrm{ref}})` of the processed policy.
@@ -217,11 +217,12 @@ def processed_full_kl(
     :math:`\tilde p`: the policy's processed distribution (:func:`processed_logprobs`), kept set
     :math:`K`. The reference :math:`q` (``reference=``), always at the same temperature:
 
-    * ``"policy_kept"`` (default): the reference renormalized on the policy's kept set. The KL of the
-      two models restricted to what the sampler can draw; finite.
-    * ``"unprocessed"``: ``softmax(ref_logits / T)``, the whole vocabulary; finite; includes the
-      kept mass: :math:`\mathrm{KL} = \mathrm{KL}_{\texttt{policy\_kept}} - \log S^{\mathrm{ref}}_K`
-      where :math:`S^{\mathrm{ref}}_K` is the reference's mass on :math:`K`.
+    * ``"unprocessed"`` (default): ``softmax(ref_logits / T)``, the whole vocabulary; finite;
+      :math:`\mathrm{KL} = \mathrm{KL}_{\texttt{policy\_kept}} - \log S^{\mathrm{ref}}_K` where
+      :math:`S^{\mathrm{ref}}_K` is the reference's mass on the policy's kept set :math:`K`.
+    * ``"policy_kept"``: the reference renormalized on the policy's kept set: the two models compared
+      among the tokens the sampler can draw; finite, but blind to which tokens are kept (0 whenever
+      :math:`K` is a single token).
     * ``"processed"``: the reference processed by the same rule on its own logits. ``+inf`` where
       the policy keeps a token the reference removes; a backward through such a token raises.
 

@@ -330,7 +330,7 @@ def test_reference_on_the_policys_kept_set_matches_policy_kept_full_kl():
     lq = lk.processed_logprobs(zr[:, None].expand(5, 20, 20), ids, **proc, kept_from=z[:, None].expand(5, 20, 20), outside="-inf").logprobs
     p = lp.exp()
     kl = (p * (lp - lq)).where(p > 0, 0).sum(-1)
-    assert_close(kl, lk.processed_full_kl(z, zr, **proc), rtol=1e-12, atol=1e-14)
+    assert_close(kl, lk.processed_full_kl(z, zr, **proc, reference="policy_kept"), rtol=1e-12, atol=1e-14)
     assert log_p.logprobs.shape == (5,)
 
 
