@@ -7,6 +7,8 @@ r"""The sampler against the scorer in the Hugging Face example: full-vocabulary 
         --data.reference=policy_kept --trainer.logger.init_args.name=hf_grpo_lora_policykept
     python examples/check_sampling.py runs/hf_grpo
 
+(``docs/sampling.md`` lists the other runs of its table: ``kl_coef: 0`` and ``top_p: 0.7``.)
+
 ``generate`` samples with ``temperature`` and ``top_p`` (the YAML). Every rollout logs the importance
 ratio of the scorer's log-prob against the sampler's (``generate``'s processed scores), at every
 response token: ``sampling/ratio_full_*`` for the full-vocabulary ``log_softmax(z / T)``,
@@ -29,7 +31,14 @@ if str(Path(__file__).resolve().parent) not in sys.path:  # loaded by path: find
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _runs  # noqa: E402
 
-RUNS = ("hf_grpo_lora", "hf_grpo_lora_fullvocab", "hf_grpo_lora_policykept")
+RUNS = (
+    "hf_grpo_lora",
+    "hf_grpo_lora_fullvocab",
+    "hf_grpo_lora_policykept",
+    "hf_grpo_lora_kl0",
+    "hf_grpo_lora_p07",
+    "hf_grpo_lora_p07_fullvocab",
+)
 RATIOS = ("ratio_full_mean", "ratio_full_out", "ratio_processed_mean", "ratio_processed_out")
 
 
@@ -51,17 +60,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("runs_dir", type=Path)
     parser.add_argument("--runs", nargs="+", default=list(RUNS))
     args = parser.parse_args(argv)
-    print("run                      steps  ratio full: mean  out   processed: mean  out    ref acc  acc    KL/resp full  processed  policy_kept")
+    print("run                         steps  ratio full: mean  out   processed: mean  out    ref acc  acc    KL/resp full  processed  policy_kept")
     found = 0
     for name in args.runs:
         log_dir = _runs.latest_version(args.runs_dir / name)
         if log_dir is None:
-            print(f"{name:24s} (no run)")
+            print(f"{name:27s} (no run)")
             continue
         s = summarize(log_dir)
         found += 1
         print(
-            f"{name:24s} {s['steps']:5.0f}  {s['ratio_full_mean']:16.4f} {s['ratio_full_out']:5.3f}"
+            f"{name:27s} {s['steps']:5.0f}  {s['ratio_full_mean']:16.4f} {s['ratio_full_out']:5.3f}"
             f"  {s['ratio_processed_mean']:15.4f} {s['ratio_processed_out']:5.3f}"
             f"  {s['ref_acc']:7.3f}  {s['acc']:5.3f}  {s['kl_full_seq']:12.3f}  {s['kl_processed_seq']:9.3f}  {s['kl_policy_kept_seq']:11.3f}"
             f"  {log_dir}"
