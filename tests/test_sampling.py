@@ -7,6 +7,7 @@ on a tiny model, for each processor and their combinations; float64 maths writte
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 from pathlib import Path
 
@@ -255,6 +256,32 @@ def test_generates_default_top_k_is_reported_as_a_disagreement(tiny):
         lk.hf.response_logprobs(model, seq, am, p, top_k=1)
     lp = lk.hf.response_logprobs(model, seq, am, p, top_k=1, outside="-inf")
     assert (lp == float("-inf")).any() and not torch.isnan(lp).any()
+
+
+def test_reference_logprobs_take_the_processing_keywords(tiny):
+    peft = pytest.importorskip("peft")
+    ex, model, enc = tiny
+    base = copy.deepcopy(model)
+    policy = peft.get_peft_model(copy.deepcopy(model), peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"]))
+    torch.manual_seed(2)
+    with torch.no_grad():  # adapters that change the model
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 1.0)
+    policy.eval()
+    torch.manual_seed(3)
+    seq = policy.generate(**enc, do_sample=True, top_k=0, top_p=0.8, max_new_tokens=4, pad_token_id=ex.PAD_ID,
+                          eos_token_id=ex.EOS_ID)
+    p = enc["input_ids"].shape[1]
+    mask = lk.hf.response_mask(seq[:, p:], ex.EOS_ID)
+    am, _ = lk.hf.sequence_inputs(enc["attention_mask"], mask)
+    with torch.no_grad():
+        _, logits = lk.hf.response_logprobs(policy, seq, am, p, return_logits=True, top_p=0.8)
+        want = lk.hf.response_logprobs(base, seq, am, p, top_p=0.8, kept_from=logits)
+    got = lk.hf.reference_logprobs(policy, seq, am, p, top_p=0.8, kept_from=logits)
+    assert_close(got, want, rtol=0, atol=1e-6)
+    # on the policy's kept set: finite wherever the policy sampled
+    assert torch.isfinite(got).all() and (got[~mask] == 0).all()
 
 
 # ---------------------------------------------------------------------------------------------
