@@ -111,6 +111,28 @@ def test_value_gradient_and_kept_mass_match_float64_maths(proc, layout):
     assert_close(lk.token_logprobs(z, y, **proc), lp, rtol=1e-12, atol=0)
 
 
+@pytest.mark.parametrize("proc", [dict(top_p=0.6), dict(temperature=0.7, top_k=4, top_p=0.8), dict(top_k=3, min_p=0.2)])
+def test_gradient_with_tied_scores_at_the_kept_sets_boundary(proc):
+    # integer logits: top-p splits tied scores at its boundary in some rows (the kept set is then
+    # not a threshold set: the backward runs the processing again there) and not in others
+    g = torch.Generator().manual_seed(7)
+    z = torch.randint(-3, 4, (200, 12), generator=g).double().requires_grad_()
+    kept = warpers(**proc)(None, z.detach().clone()) > float("-inf")
+    smallest = torch.where(kept, z.detach(), float("inf")).amin(-1, keepdim=True)
+    split = (kept != (z.detach() >= smallest)).any(-1)
+    if "top_p" in proc:
+        assert split.any() and not split.all()
+    y = sample(torch.where(kept, z.detach(), float("-inf")), g)
+    lp = lk.processed_logprobs(z, y, **proc, chunk_size=16).logprobs
+    T = proc.get("temperature", 1.0)
+    want = formula(z, y, kept, T)
+    assert_close(lp, want, rtol=1e-12, atol=1e-12)
+    w = torch.randn(lp.shape, generator=g, dtype=torch.float64)
+    (got,) = torch.autograd.grad((w * lp).sum(), z)
+    (expect,) = torch.autograd.grad((w * want).sum(), z)
+    assert_close(got, expect, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_half_and_single_logits_compute_in_float32(dtype):
     g = torch.Generator().manual_seed(2)

@@ -26,8 +26,10 @@ The kept mass :math:`\log S = \operatorname{lse}_K(z / T) - \operatorname{lse}(z
 log of the share of ``softmax(z / T)`` that the sampler keeps (a statistic, returned without grad).
 
 Chunked as :mod:`lightning_kl.kernels.logprobs`: the forward keeps ``O(n)`` numbers (the kept
-log-normalizer), the backward recomputes each chunk's kept set (the same ops on the same numbers
-give the same set) and writes that chunk of the gradient once. A chunk holds a few ``[c, V]``
+log-normalizer, and each row's kept set as a threshold on its scores), the backward reads each
+chunk again, masks it by the threshold (rows whose kept set is not a threshold set, top-p splitting
+tied scores, run the processing again: the same ops on the same numbers give the same set) and
+writes that chunk of the gradient once. A chunk holds a few ``[c, V]``
 temporaries (the top-p sort's values and int64 indices among them). From hidden states, a chunk's
 logits are made from the LM head (:class:`~lightning_kl.kernels.rows.LinearRows`) in forward and in
 backward, and its gradient :math:`G` becomes :math:`G W` for the hidden states and adds
@@ -165,6 +167,20 @@ def _scores(
     return z, z.masked_fill(removed, float("-inf"))
 
 
+def _threshold(z: Tensor, kept: Tensor) -> tuple[Tensor, Tensor]:
+    """Each row's smallest kept score, and whether the kept set is exactly ``{z >= that score}``.
+
+    Top-k, top-p and min-p each keep the scores above a cut, so the kept set is an upper set of the
+    scores except where top-p's sort splits tied scores at its boundary: a removed score equal to
+    the smallest kept one (``exact`` False; NaN scores too). The backward then masks the scores by
+    the threshold instead of sorting every row again.
+    """
+    keep = kept != float("-inf")
+    threshold = torch.where(keep, z, float("inf")).amin(dim=-1)
+    tied = ((z == threshold.unsqueeze(1)) & ~keep).any(dim=-1)
+    return threshold, ~tied & ~threshold.isnan()
+
+
 def _tempered(src: Rows | LinearRows, idx: slice | Tensor, dtype: torch.dtype, proc: Processing) -> Tensor:
     chunk, _ = src.read(idx)
     z = chunk.to(dtype)
@@ -196,6 +212,9 @@ class _ProcessedLogprobs(torch.autograd.Function):
         log_kept = torch.empty(n, dtype=dtype, device=device)
         out = torch.empty(n, dtype=dtype, device=device)
         outside = torch.empty(n, dtype=torch.bool, device=device)
+        # the kept set of each row as a threshold on its tempered scores, for the backward (see _kept)
+        threshold = torch.empty(n, dtype=dtype, device=device)
+        exact = torch.empty(n, dtype=torch.bool, device=device)
 
         def work(item: tuple[slice, slice | Tensor], state: Any) -> None:
             pos, idx = item
@@ -205,6 +224,7 @@ class _ProcessedLogprobs(torch.autograd.Function):
             log_kept[pos] = lse_kept[pos] - torch.logsumexp(z, dim=-1)
             out[pos] = z.gather(1, y).squeeze(1) - lse_kept[pos]
             outside[pos] = kept.gather(1, y).squeeze(1) == float("-inf")
+            threshold[pos], exact[pos] = _threshold(z, kept)
 
         run_chunks(work, _items(src, n, chunk_size, device), device)
         if ignored is not None:
@@ -212,7 +232,9 @@ class _ProcessedLogprobs(torch.autograd.Function):
             out.masked_fill_(ignored, 0)
             log_kept.masked_fill_(ignored, 0)
         out.masked_fill_(outside, float("-inf"))
-        ctx.save_for_backward(x, weight, bias, ids, ignored, outside, lse_kept, kept_from)  # outside: [n] flat
+        if kept_from is not None:
+            exact.fill_(False)  # the kept set is another model's: no threshold on x's scores
+        ctx.save_for_backward(x, weight, bias, ids, ignored, outside, lse_kept, kept_from, threshold, exact)  # [n] flat
         ctx.proc, ctx.chunk_size = proc, chunk_size
         lead = x.shape[:-1]
         log_kept, outside = log_kept.view(lead), outside.view(lead)
@@ -222,7 +244,7 @@ class _ProcessedLogprobs(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_out: Tensor, _g_kept: Any, _g_outside: Any) -> tuple[Optional[Tensor], ...]:
-        x, weight, bias, ids, ignored, outside, lse_kept, kept_from = ctx.saved_tensors
+        x, weight, bias, ids, ignored, outside, lse_kept, kept_from, threshold, exact = ctx.saved_tensors
         proc: Processing = ctx.proc
         src = _reader(x, weight, bias)
         support = None if kept_from is None else Rows(kept_from)
@@ -240,9 +262,17 @@ class _ProcessedLogprobs(torch.autograd.Function):
         acc_w = torch.zeros(weight.shape, dtype=dtype, device=device) if need_w and weight is not None else None
         acc_b = torch.zeros(vocab, dtype=dtype, device=device) if need_b and bias is not None else None
 
-        def work(item: tuple[slice, slice | Tensor], state: Any) -> None:
-            pos, idx = item
-            _, kept = _scores(src, idx, dtype, proc, support)
+        items = _items(src, n, ctx.chunk_size, device)
+        # chunks with a row whose kept set is not its threshold set run the processing again (one sync)
+        redo = set(torch.unique(torch.nonzero(~exact).squeeze(1) // ctx.chunk_size).tolist())
+
+        def work(k: int, state: Any) -> None:
+            pos, idx = items[k]
+            if k in redo:
+                _, kept = _scores(src, idx, dtype, proc, support)
+            else:
+                z = _tempered(src, idx, dtype, proc)
+                kept = z.masked_fill_(z < threshold[pos].unsqueeze(1), float("-inf"))
             sb = s[pos].unsqueeze(1)
             # dl/dz_i = s ([i = y] - [i in K] p~_i); exp(-inf - lse) = 0 off the kept set
             g = kept.sub_(lse_kept[pos].unsqueeze(1)).exp_().mul_(sb.neg())
@@ -268,7 +298,7 @@ class _ProcessedLogprobs(torch.autograd.Function):
                     if part_b is not None:
                         acc_b.add_(part_b)
 
-        run_chunks(work, _items(src, n, ctx.chunk_size, device), device)
+        run_chunks(work, range(len(items)), device)
         if weight is None:
             grad = None if grad_x is None else grad_x.view(x.shape)
             return grad, None, None, None, None, None, None, None
