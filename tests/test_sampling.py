@@ -280,6 +280,7 @@ def test_generates_default_top_k_is_reported_as_a_disagreement(tiny):
     assert (lp == float("-inf")).any() and not torch.isnan(lp).any()
 
 
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # peft on transformers 5
 def test_reference_logprobs_take_the_processing_keywords(tiny):
     peft = pytest.importorskip("peft")
     ex, model, enc = tiny
