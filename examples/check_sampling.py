@@ -13,10 +13,11 @@ r"""The sampler against the scorer in the Hugging Face example: full-vocabulary 
 ratio of the scorer's log-prob against the sampler's (``generate``'s processed scores), at every
 response token: ``sampling/ratio_full_*`` for the full-vocabulary ``log_softmax(z / T)``,
 ``sampling/ratio_processed_*`` for :func:`lightning_kl.processed_logprobs` (``_mean``: the mean ratio,
-``_out``: the share of tokens outside [0.9, 1.1]), and both exact KLs per response
+``_out``: the share of tokens outside [0.9, 1.1]), and three exact KLs per response
 (``sampling/kl_full_seq``: the full softmax against the reference's; ``sampling/kl_processed_seq``:
 the processed policy against the reference's softmax; ``sampling/kl_policy_kept_seq``: against the
-reference renormalized on the policy's kept set). For each run (newest ``version_*``
+reference renormalized on the policy's kept set). The last two columns: the loss estimator's value
+(``train/kl_est``, token mean) and the exact KL of the run's own objective (``train/kl``, token mean). For each run (newest ``version_*``
 under ``RUNS_DIR/<name>/``) this prints the ratio statistics over all rollouts, and the accuracy and
 both exact KLs over the last quarter of the rollouts. Standard library only.
 """
@@ -52,6 +53,10 @@ def summarize(log_dir: Path) -> dict[str, float]:
     out["ref_acc"] = rows[0]["train/ref_acc"]
     for name in ("kl_full_seq", "kl_processed_seq", "kl_policy_kept_seq"):
         out[name] = _runs.last_quarter_mean([r[f"sampling/{name}"] for r in rows])
+    # the loss's estimate (train/kl_est: the estimator's value, token mean) against the exact KL it
+    # estimates (train/kl: the run's own exact KL, token mean)
+    out["kl_est"] = _runs.last_quarter_mean([r["train/kl_est"] for r in rows])
+    out["kl_exact"] = _runs.last_quarter_mean([r["train/kl"] for r in rows])
     return out
 
 
@@ -60,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("runs_dir", type=Path)
     parser.add_argument("--runs", nargs="+", default=list(RUNS))
     args = parser.parse_args(argv)
-    print("run                         steps  ratio full: mean  out   processed: mean  out    ref acc  acc    KL/resp full  processed  policy_kept")
+    print("run                         steps  ratio full: mean  out   processed: mean  out    ref acc  acc    KL/resp full  processed  policy_kept   KL/token est  exact")
     found = 0
     for name in args.runs:
         log_dir = _runs.latest_version(args.runs_dir / name)
@@ -73,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{name:27s} {s['steps']:5.0f}  {s['ratio_full_mean']:16.4f} {s['ratio_full_out']:5.3f}"
             f"  {s['ratio_processed_mean']:15.4f} {s['ratio_processed_out']:5.3f}"
             f"  {s['ref_acc']:7.3f}  {s['acc']:5.3f}  {s['kl_full_seq']:12.3f}  {s['kl_processed_seq']:9.3f}  {s['kl_policy_kept_seq']:11.3f}"
+            f"  {s['kl_est']:12.3f}  {s['kl_exact']:5.3f}"
             f"  {log_dir}"
         )
     return 0 if found else 1
