@@ -19,6 +19,11 @@ lean / plain.
 
     python benchmarks/bench_sampling.py
     python benchmarks/bench_sampling.py --quick      # a smoke run at small sizes (ratios say nothing)
+    python benchmarks/bench_sampling.py --ties       # the share of rows whose top-p boundary splits tied scores
+
+The backward masks each row by its kept set's threshold instead of sorting it again, except in rows
+where top-p's sort splits tied scores at its boundary (the kept set is then not a threshold set):
+those run the processing again. ``--ties`` prints how many rows that is, in bf16 and float32.
 
 Linux only. Needs about 4 GiB of free memory at the default sizes (the naive variant's sort).
 """
@@ -73,6 +78,23 @@ def _child(args: argparse.Namespace) -> None:
     print(json.dumps({"extra_mib": peak_mib - grads_mib, "time_s": time_s}))
 
 
+def _ties(args: argparse.Namespace) -> None:
+    import torch
+
+    from lightning_kl.kernels.processing import check_processing, process_scores
+
+    torch.manual_seed(0)
+    logits = torch.randn(256, args.vocab) * 3
+    for kw in (PROCESSING, dict(temperature=0.9, top_p=0.8), dict(temperature=0.9, top_k=50)):
+        proc = check_processing(**kw)
+        for dtype in (torch.bfloat16, torch.float32):
+            z = logits.to(dtype).float() / proc.temperature
+            keep = process_scores(z, proc) > float("-inf")
+            smallest = torch.where(keep, z, float("inf")).amin(-1, keepdim=True)
+            split = ((z == smallest) & ~keep).any(-1).float().mean().item()
+            print(f"{str(kw):55s} {str(dtype):15s} rows whose kept set splits tied scores: {split:.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=1024)
@@ -82,10 +104,14 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=2, help="timed forward+backward passes per child")
     parser.add_argument("--threads", type=int, default=None, help="torch threads in each child (default: torch's)")
     parser.add_argument("--quick", action="store_true", help="smoke run: 128 tokens, V = 8192")
+    parser.add_argument("--ties", action="store_true", help="only the share of rows with ties at the top-p boundary")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
         _child(args)
+        return
+    if args.ties:
+        _ties(args)
         return
     if args.quick:
         args.tokens, args.vocab, args.runs, args.reps = 128, 8192, 1, 1
