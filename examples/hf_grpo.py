@@ -23,7 +23,9 @@ Everything is made here, on a CPU, with no download:
    can shape the rewards. ``training_step`` is GRPO: group-normalized advantages, token-level ratio
    (clipped), plus the KL term from :class:`lightning_kl.KLPenaltyLoss` (estimator, coefficient and
    level from the YAML). Every log-prob comes from :func:`lightning_kl.hf.response_logprobs`, which
-   reads the logits with :func:`lightning_kl.token_logprobs`.
+   reads the logits with :func:`lightning_kl.token_logprobs`. ``generate`` samples with the YAML's
+   ``temperature`` and ``top_p`` (``top_k``, ``min_p`` too), and the rollouts are scored with the log-probs
+   of that processed distribution (``score_processed``; ``docs/sampling.md``).
 
 Notation: ``b`` sequences in a rollout (``prompts_per_rollout * group_size``), ``p`` the padded prompt
 length, ``t`` the response length (at most ``max_new_tokens``), ``V`` the vocabulary size.
