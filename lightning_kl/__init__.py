@@ -10,6 +10,7 @@ from lightning_kl.kernels.full import full_kl, full_kl_from_hidden
 from lightning_kl.logprobs import FromHidden, token_logprobs, token_logprobs_from_hidden
 from lightning_kl.loss import KLPenaltyLoss
 from lightning_kl.metric import KLMetric
+from lightning_kl.refresh import ReferenceRefresh
 from lightning_kl.rollouts import OnPolicyRollouts
 from lightning_kl.sampling import (
     OUTSIDE_MODES,
@@ -39,6 +40,7 @@ __all__ = [
     "OUTSIDE_MODES",
     "OnPolicyRollouts",
     "REFERENCES",
+    "ReferenceRefresh",
     "SAMPLED_ESTIMATORS",
     "SampledLogprobs",
     "aggregate",

@@ -16,6 +16,7 @@ from lightning_kl.controllers import FixedKLController, KLController
 from lightning_kl.estimators import SAMPLED_ESTIMATORS, parse_estimator
 from lightning_kl.functional import check_pair, kl_penalty_compute
 from lightning_kl.ground.checks import check_mask, compute_dtype
+from lightning_kl.ground.parallel import check_parallel_args, data_parallel_group
 
 __all__ = ["KLRewardCallback"]
 
@@ -34,10 +35,13 @@ class KLRewardCallback(Callback):
     token, as TRL and verl do). ``rewards`` is written into the batch, in float32 at least.
 
     Then the controller observes the KL of the *global* batch: the mean, over every sequence on every
-    process that has a valid token, of that sequence's token-mean KL, with ``n_steps`` the global
-    number of such sequences. The sum and the count are reduced with one ``all_reduce`` through
-    ``trainer.strategy``, so every process holds the same :math:`\beta`, and N processes with batch
-    ``b`` behave like one process with batch ``N * b``. The rewards of a batch use the coefficient
+    data parallel replica that has a valid token, of that sequence's token-mean KL, with ``n_steps``
+    the global number of such sequences. The sum and the count are reduced with one ``all_reduce``
+    through ``trainer.strategy`` over the data parallel group (given as ``process_group`` or
+    ``device_mesh``, else the strategy's: ``ModelParallelStrategy``'s device mesh dimension
+    ``"data_parallel"``, so that the tensor parallel ranks of a replica, which hold the same batch,
+    count once; for DDP the world), so every process holds the same :math:`\beta`, and N replicas
+    with batch ``b`` behave like one process with batch ``N * b``. The rewards of a batch use the coefficient
     from before that batch's update.
 
     Logs ``{log_prefix}coef`` (the :math:`\beta` used for this batch) and ``{log_prefix}value`` (the
@@ -67,6 +71,9 @@ class KLRewardCallback(Callback):
             ``logprobs`` are the behaviour policy's (the policy that sampled the batch).
         rewards_key: the batch key written.
         log_prefix: prefix of the logged names; give two callbacks different prefixes.
+        process_group: the data parallel ``ProcessGroup``, for layouts the strategy does not describe;
+            it must agree with the strategy's (checked at each batch).
+        device_mesh: the same as a ``DeviceMesh``: 1-D, or with a ``"data_parallel"`` dimension.
 
     Raises:
         ValueError: at construction, for an unknown estimator or a bad argument; at a step, for a
@@ -84,8 +91,13 @@ class KLRewardCallback(Callback):
         mask_key: str = "mask",
         rewards_key: str = "rewards",
         log_prefix: str = "kl/",
+        process_group: Any = None,
+        device_mesh: Any = None,
     ) -> None:
         super().__init__()
+        check_parallel_args(process_group, device_mesh)
+        self.process_group = process_group
+        self.device_mesh = device_mesh
         self.spec = parse_estimator(estimator)
         if self.spec.base == "full":
             valid = ", ".join(repr(n) for n in SAMPLED_ESTIMATORS)
@@ -235,7 +247,10 @@ class KLRewardCallback(Callback):
         # the logged tensors (Lightning reads them when it logs); no host read in this hook
         coef = self.controller.value_tensor(pl_module.device)  # the one this batch's rewards use
         rewards, kl_sum, n_seqs = self.shape_rewards(batch)
-        stats = trainer.strategy.reduce(torch.stack([kl_sum, n_seqs]), reduce_op="sum")
+        stats = torch.stack([kl_sum, n_seqs])
+        dp = data_parallel_group(self.process_group, self.device_mesh, strategy=trainer.strategy)
+        if dp.size > 1:
+            stats = trainer.strategy.reduce(stats, group=dp.group, reduce_op="sum")
         current_kl = self.update_controller(stats[0], stats[1])
         batch_size = int(rewards.shape[0]) if rewards.ndim > 1 else 1
         pl_module.log(f"{self.log_prefix}coef", coef, on_step=True, on_epoch=False, batch_size=batch_size)

@@ -6,7 +6,6 @@ import math
 from typing import Any, Optional
 
 import torch
-import torch.distributed
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
@@ -24,6 +23,7 @@ from lightning_kl.ground.checks import (
     check_temperature,
     reject_old_logprob,
 )
+from lightning_kl.ground.parallel import check_parallel_args, data_parallel_group
 from lightning_kl.kernels.full import full_kl_compute, full_kl_from_hidden_compute
 from lightning_kl.logprobs import FromHidden
 from lightning_kl.metric import KLMetric
@@ -60,14 +60,18 @@ class KLPenaltyLoss(nn.Module):
         agg: one of :data:`lightning_kl.AGG_MODES`.
         agg_norm: the constant divisor of ``seq-mean-token-sum-norm`` (default: the padded length).
         global_batch: normalize as one process over the global batch of every data parallel
-            process. When ``torch.distributed`` is initialized, forward sums the (detached) counts
-            of valid tokens and of non-empty sequences over the default process group (one
-            ``all_reduce`` of two integers), divides by those and multiplies by the world size
-            ``W``, so that DDP's gradient *averaging* yields exactly the global batch's gradient in
-            every ``agg`` mode; each process's loss is then ``W`` times its share, and their mean
-            over processes is the global batch's loss. Every process must then call forward the
-            same number of times. Outside distributed training it changes nothing. Without it (the
-            default), under DDP: ``token-mean`` is exact only when every process holds the same
+            replica. When ``torch.distributed`` is initialized, forward sums the (detached) counts
+            of valid tokens and of non-empty sequences over the data parallel group (one
+            ``all_reduce`` of two numbers), divides by those and multiplies by the group's size
+            ``W``, so that the gradient *averaging* of DDP or FSDP yields exactly the global batch's
+            gradient in every ``agg`` mode; each replica's loss is then ``W`` times its share, and
+            their mean over replicas is the global batch's loss. Every process must then call
+            forward the same number of times. The group is ``process_group`` or ``device_mesh``
+            when given, else found by itself: under Lightning's ``ModelParallelStrategy`` its
+            device mesh's ``"data_parallel"`` dimension (the tensor parallel ranks of a replica,
+            which hold the same batch, count once), under DDP the world (see
+            :func:`lightning_kl.ground.parallel.data_parallel_group`). Outside distributed training
+            it changes nothing. Without it (the default), under DDP: ``token-mean`` is exact only when every process holds the same
             number of valid tokens, ``seq-mean-token-sum`` and ``seq-mean-token-mean`` only when
             every process holds the same number of non-empty sequences, and ``token-sum`` and
             ``seq-mean-token-sum-norm`` give ``1 / W`` of the global gradient.
@@ -87,6 +91,9 @@ class KLPenaltyLoss(nn.Module):
             fixed. ``full`` then needs ``sampled_logprob`` in forward. See :mod:`lightning_kl.sequence`.
         kl_to_go: sampled estimators at ``level="sequence"``: ``"k1"`` (default, the sum of the later
             log-ratios) or ``"k3"`` (the sum of their ``k3`` values: the same expectation, less noise).
+        process_group: the data parallel ``ProcessGroup`` (for ``global_batch`` and :attr:`metric`), for
+            loops and layouts that Lightning does not describe; default: found by itself.
+        device_mesh: the same as a ``DeviceMesh``: 1-D, or with a ``"data_parallel"`` dimension.
 
     With ``estimator="full"``, ``forward(logits, ref_logits, mask)`` takes both models' logits
     ``[b, t, V]`` and a ``[b, t]`` mask, and aggregates the exact per-token KL over the vocabulary
@@ -136,8 +143,13 @@ class KLPenaltyLoss(nn.Module):
         temperature: float = 1.0,
         level: str = "token",
         kl_to_go: str = "k1",
+        process_group: Any = None,
+        device_mesh: Any = None,
     ) -> None:
         super().__init__()
+        check_parallel_args(process_group, device_mesh)
+        self.process_group = process_group
+        self.device_mesh = device_mesh
         self.spec = parse_estimator(estimator)
         self.agg = check_agg_mode(agg)
         if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not math.isfinite(coef) or coef < 0:
@@ -157,7 +169,7 @@ class KLPenaltyLoss(nn.Module):
         if self.level == "sequence":
             check_sequence_agg(self.agg)
         self.kl_to_go = check_kl_to_go(kl_to_go, self.level, self.spec.base == "full")
-        self.metric = KLMetric()
+        self.metric = KLMetric(process_group=process_group, device_mesh=device_mesh)
         self._warned_micro_counts = False
 
     @property
@@ -251,17 +263,19 @@ class KLPenaltyLoss(nn.Module):
         if any(n is not None for n in given):
             counts["num_tokens"], counts["num_seqs"] = given
         world = 1
-        if self.global_batch and torch.distributed.is_available() and torch.distributed.is_initialized():
-            world = torch.distributed.get_world_size()
+        dp = data_parallel_group(self.process_group, self.device_mesh) if self.global_batch else None
+        if dp is not None and dp.size > 1:
+            world = dp.size
             needed = _COUNT_OF_MODE.get(self.agg)
             if needed is not None:
                 local = aggregate_counts(kl, mask).to(torch.float64)
                 if given[needed] is not None:
                     # this process's step total in place of its micro-batch count
                     local[needed] = torch.as_tensor(given[needed], dtype=torch.float64, device=local.device).reshape(())
-                torch.distributed.all_reduce(local, op=torch.distributed.ReduceOp.SUM)
+                dp.all_reduce_sum(local)
                 counts["num_tokens"], counts["num_seqs"] = local[0], local[1]
-        # DDP averages over the processes and Lightning divides by k: both factors are undone here
+        # DDP or FSDP averages over the data parallel replicas and Lightning divides by k: both
+        # factors are undone here
         counts["world_size"] = world * k
         agg = aggregate(kl, mask, self.agg, norm=self.agg_norm, **counts)
         # times exactly 1 when the loss is finite, NaN when not: a NaN at a valid position then

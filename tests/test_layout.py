@@ -18,6 +18,7 @@ LAYER_OF = {
     "logprobs": 2,
     "sampling": 2,
     "accumulation": 2,
+    "mixing": 2,
 }  # shells and integrations (the rest): 3
 
 

@@ -25,6 +25,7 @@ __all__ = [
     "check_matching",
     "check_max_weight",
     "check_sampled_temperature",
+    "check_not_sharded",
     "check_temperature",
     "check_tokens",
     "compute_dtype",
@@ -225,18 +226,42 @@ def check_tokens(
     return ids, ignored
 
 
+def check_not_sharded(name: str, x: Tensor) -> None:
+    """Refuse a head parameter that is a DTensor (sharded by FSDP2): ``TypeError`` naming the recipe.
+
+    The head's weight of a module that FSDP2 has resharded is a ``Shard(0)`` DTensor. The
+    recipe is to unshard it through its FSDP module and pass the unsharded weight, leaving the reshard
+    to FSDP after backward; ``weight.full_tensor()`` instead gives the right values and a wrong
+    gradient: it goes back to each rank's shard from that rank's rows only, never reduce-scattered.
+    """
+    placements = getattr(x, "placements", None)
+    if placements is None or not callable(getattr(x, "full_tensor", None)):
+        return
+    raise TypeError(
+        f"`{name}` is a DTensor with placements {tuple(placements)}: a head sharded by FSDP2 (fully_shard). "
+        "Unshard it through the FSDP module that holds it, e.g. `model.lm_head.unshard()` (or the module "
+        "fully_shard wrapped), then pass `model.lm_head.weight`, the unsharded parameter; FSDP reshards it "
+        "and reduce-scatters its gradient after backward. Never pass `weight.full_tensor()`: its gradient "
+        "goes back to each rank's shard from that rank's rows only, and FSDP never reduce-scatters it."
+    )
+
+
 def check_head(hidden: Any, weight: Any, bias: Any, prefix: str = "") -> None:
     """Check ``hidden [..., d]``, ``weight [V, d]`` and ``bias [V]`` (or None): one dtype, one device.
 
     ``prefix`` names a second head in messages (``"ref_"`` gives ``ref_hidden``...).
 
     Raises:
-        TypeError: for inputs that are not floating point tensors.
+        TypeError: for inputs that are not floating point tensors, or a head sharded by FSDP2 (a
+            DTensor; the message gives the recipe, :func:`check_not_sharded`).
         ValueError: for shapes, dtypes or devices that do not match (all named).
     """
     hn, wn, bn = f"{prefix}hidden", f"{prefix}weight", f"{prefix}bias"
     check_floating(hn, hidden)
     check_floating(wn, weight)
+    check_not_sharded(wn, weight)
+    if bias is not None:
+        check_not_sharded(bn, bias)
     if hidden.ndim == 0:
         raise ValueError(f"`{hn}` must be `[..., d]` with a hidden dimension, got a scalar.")
     if weight.ndim != 2 or weight.shape[1] != hidden.shape[-1] or weight.shape[0] == 0:
