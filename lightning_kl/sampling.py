@@ -116,7 +116,7 @@ def processed_logprobs(
         TypeError: for logits that are not floating point, or tokens that are not integers.
         ValueError: for a processing value out of range (named, with the valid range), shapes that do
             not match, an id out of range, a bad ``outside``, or (``outside="raise"``) a token outside
-            the kept set (its count, first position and id named).
+            the kept set (its count, first position and id named; the check costs one device sync).
 
     Example:
         >>> logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]], requires_grad=True)

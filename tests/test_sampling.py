@@ -265,9 +265,8 @@ def test_response_logprobs_are_generates_processed_scores(tiny, proc):
     assert_close(full[mask], (lp + log_kept)[mask], rtol=0, atol=1e-5)
 
 
-def test_generates_default_top_k_is_reported_as_a_disagreement(tiny):
-    # generate(do_sample=True) without top_k uses the default top_k=50 (all 15 tokens here: no-op),
-    # but a scorer given top_k=1 disagrees with a top_k=3 sampler: reported, not -inf
+def test_a_scorer_with_another_processing_is_reported_not_given_minus_inf(tiny):
+    # a scorer given top_k=1 disagrees with a top_k=3 sampler: reported, not -inf
     ex, model, enc = tiny
     torch.manual_seed(0)
     seq = model.generate(**enc, do_sample=True, top_k=3, max_new_tokens=4, pad_token_id=ex.PAD_ID, eos_token_id=ex.EOS_ID)
