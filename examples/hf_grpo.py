@@ -24,7 +24,9 @@ Everything is made here, on a CPU, with no download:
    can shape the rewards. ``training_step`` is GRPO: group-normalized advantages, token-level ratio
    (clipped), plus the KL term from :class:`lightning_kl.KLPenaltyLoss` (estimator, coefficient and
    level from the YAML). Every log-prob comes from :func:`lightning_kl.hf.response_logprobs`, which
-   reads the logits with :func:`lightning_kl.token_logprobs`.
+   reads the logits with :func:`lightning_kl.token_logprobs`. ``generate`` samples with the YAML's
+   ``temperature`` and ``top_p`` (``top_k``, ``min_p`` too), and the rollouts are scored with the log-probs
+   of that processed distribution (``score_processed``; ``docs/sampling.md``).
 
 Notation: ``b`` sequences in a rollout (``prompts_per_rollout * group_size``), ``p`` the padded prompt
 length, ``t`` the response length (at most ``max_new_tokens``), ``V`` the vocabulary size.
@@ -151,6 +153,13 @@ class ArithmeticDataModule(pl.LightningDataModule):
         rollouts: rollout batches per epoch (one ``training_step`` each).
         temperature: the sampling temperature (the log-probs are taken at it too).
         reference_samples: samples drawn from the reference at the start to measure its accuracy.
+        top_k, top_p, min_p: the sampler's truncation, passed to ``generate`` (0, 1.0, None: off).
+        score_processed: score the rollouts with the log-probs of the processed distribution they
+            were sampled from (:func:`lightning_kl.processed_logprobs`), or, False, with the
+            full-vocabulary softmax (the contrast).
+        reference: the reference of the processed policy's KL (:data:`lightning_kl.REFERENCES`):
+            ``"unprocessed"`` (its softmax at the temperature) or ``"policy_kept"`` (renormalized on the
+            policy's kept set: blind to which tokens the policy keeps, see ``docs/sampling.md``).
     """
 
     def __init__(
@@ -163,6 +172,11 @@ class ArithmeticDataModule(pl.LightningDataModule):
         rollouts: int = 300,
         temperature: float = 1.0,
         reference_samples: int = 1024,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        min_p: Optional[float] = None,
+        score_processed: bool = True,
+        reference: str = "unprocessed",
     ) -> None:
         super().__init__()
         if not 1 <= max_operand <= 1000:
@@ -177,8 +191,25 @@ class ArithmeticDataModule(pl.LightningDataModule):
                             ("rollouts", rollouts), ("reference_samples", reference_samples)]:
             if not value >= 1:
                 raise ValueError(f"`{name}` must be >= 1, got {value!r}.")
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+            raise ValueError(f"`top_k` must be an integer >= 0 (0: off), got {top_k!r}.")
+        if reference not in ("unprocessed", "policy_kept"):
+            raise ValueError(f"`reference` must be 'unprocessed' or 'policy_kept', got {reference!r}.")
+        for name, value in [("top_p", top_p), ("min_p", 0.0 if min_p is None else min_p)]:
+            if not 0 <= value <= 1:
+                raise ValueError(f"`{name}` must be in [0, 1], got {value!r}.")
         self.save_hyperparameters()
         self.tokenizer = build_tokenizer()
+
+    @property
+    def processing(self) -> dict[str, Any]:
+        """The sampler's truncation, as ``generate`` and :func:`lightning_kl.hf.response_logprobs` take it."""
+        return {"top_k": self.hparams.top_k, "top_p": self.hparams.top_p, "min_p": self.hparams.min_p}
+
+    @property
+    def scoring(self) -> dict[str, Any]:
+        """The processing keywords the rollouts are scored with (none: the full softmax)."""
+        return self.processing if self.hparams.score_processed else {}
 
     def corpus_config(self) -> dict[str, Any]:
         return {"max_operand": self.hparams.max_operand, "p_correct": self.hparams.p_correct}
@@ -203,16 +234,20 @@ class ArithmeticDataModule(pl.LightningDataModule):
         h = self.hparams
         enc = self.tokenizer([prompt_text(a, b) for a, b in problems], return_tensors="pt", padding=True)
         prompt_ids, prompt_am = enc["input_ids"].to(device), enc["attention_mask"].to(device)
-        sequences = model.generate(
+        out = model.generate(
             input_ids=prompt_ids, attention_mask=prompt_am, do_sample=True, temperature=h.temperature,
-            top_k=0, top_p=1.0, max_new_tokens=h.max_new_tokens, pad_token_id=PAD_ID, eos_token_id=EOS_ID,
-            synced_gpus=synced,
+            max_new_tokens=h.max_new_tokens, pad_token_id=PAD_ID, eos_token_id=EOS_ID,
+            output_scores=True, return_dict_in_generate=True, synced_gpus=synced, **self.processing,
         )
+        sequences = out.sequences
         p = prompt_ids.shape[1]
         mask = hf.response_mask(sequences[:, p:], EOS_ID)
         attention_mask, _ = hf.sequence_inputs(prompt_am, mask)
         scores = score(self.tokenizer, sequences[:, p:], mask, problems)
-        return {"sequences": sequences, "attention_mask": attention_mask, "mask": mask, "scores": scores}
+        # the log-probs the sampler drew with: generate's processed scores, [b, t]
+        sampler_lp = torch.log_softmax(torch.stack(out.scores, 1).float(), -1).gather(-1, sequences[:, p:, None])[..., 0]
+        return {"sequences": sequences, "attention_mask": attention_mask, "mask": mask, "scores": scores,
+                "sampler_logprobs": sampler_lp}
 
     @torch.no_grad()
     def rollout(self, module: "HFGRPO", n_prompts: Optional[int] = None) -> dict[str, Tensor]:
@@ -233,16 +268,33 @@ class ArithmeticDataModule(pl.LightningDataModule):
         batch = self.sample(policy, problems, module.device, module.sharded)
         seq, am, mask = batch["sequences"], batch["attention_mask"], batch["mask"]
         p = seq.shape[1] - mask.shape[1]
-        logprobs, logits = hf.response_logprobs(policy, seq, am, p, h.temperature, return_logits=True)
-        ref_logprobs, ref_logits = hf.reference_logprobs(policy, seq, am, p, h.temperature, return_logits=True)
+        logprobs, logits = hf.response_logprobs(policy, seq, am, p, h.temperature, return_logits=True, **self.scoring)
+        # the reference's softmax, or the reference on the policy's kept set
+        ref_kw = dict(self.scoring, kept_from=logits) if self.scoring and h.reference == "policy_kept" else {}
+        ref_logprobs, ref_logits = hf.reference_logprobs(policy, seq, am, p, h.temperature, return_logits=True, **ref_kw)
         policy.train(was_training)
+        # the exact KL of the next-token distributions (0 on padding): summed over a response, an
+        # unbiased estimate of the responses' KL (chain rule), no estimator noise; of the full
+        # softmax, and of the processed policy against the reference's softmax and on its kept set
+        kl_full = lk.kl_penalty(logits, ref_logits, "full", mask=mask, temperature=h.temperature)
+        kl_processed, kl_policy_kept = (
+            lk.processed_full_kl(logits, ref_logits, mask, temperature=h.temperature, reference=r, **self.processing)
+            for r in ("unprocessed", "policy_kept")
+        )
+        # importance ratios of the scorer against the sampler, full softmax and processed
+        tokens = seq[:, p:].masked_fill(~mask, -100)
+        full_lp = lk.token_logprobs(logits, tokens, h.temperature, ignore_index=-100)
+        proc_lp = lk.processed_logprobs(logits, tokens, h.temperature, ignore_index=-100, **self.processing).logprobs
         batch.update(
             logprobs=logprobs,
             ref_logprobs=ref_logprobs,
             group=torch.arange(n_prompts, device=seq.device).repeat_interleave(h.group_size),
-            # the exact KL of the next-token distributions over the vocabulary (0 on padding): summed
-            # over a response, an unbiased estimate of the responses' KL (chain rule), no estimator noise
-            true_kl=lk.kl_penalty(logits, ref_logits, "full", mask=mask, temperature=h.temperature),
+            true_kl=(kl_processed if h.reference == "unprocessed" else kl_policy_kept) if self.scoring else kl_full,
+            kl_full=kl_full,
+            kl_processed=kl_processed,
+            kl_policy_kept=kl_policy_kept,
+            ratio_full=torch.exp(full_lp - batch["sampler_logprobs"]),
+            ratio_processed=torch.exp(proc_lp - batch["sampler_logprobs"]),
         )
         return batch
 
@@ -429,7 +481,8 @@ class HFGRPO(pl.LightningModule):
         returns = torch.where(mask, rewards, 0.0).sum(-1) if rewards is not None else batch["scores"]
         adv = group_advantages(returns, batch["group"])[:, None]
 
-        logprobs = hf.response_logprobs(self.policy, seq, am, p, self.trainer.datamodule.hparams.temperature)
+        dm = self.trainer.datamodule
+        logprobs = hf.response_logprobs(self.policy, seq, am, p, dm.hparams.temperature, **dm.scoring)
         ratio = torch.exp(logprobs - batch["logprobs"])  # token-level; 1 on the first step over a rollout
         clipped = ratio.clamp(1 - self.hparams.clip_eps, 1 + self.hparams.clip_eps)
         pg_loss = lk.aggregate(-torch.minimum(ratio * adv, clipped * adv), mask, "token-mean")
@@ -441,6 +494,13 @@ class HFGRPO(pl.LightningModule):
         self.log("train/reward", returns.mean(), prog_bar=True, batch_size=n)
         self.log("train/kl", lk.aggregate(batch["true_kl"], mask, "token-mean"), prog_bar=True, batch_size=n)
         self.log("train/kl_seq", batch["true_kl"].sum(-1).mean(), batch_size=n)
+        if "ratio_full" in batch:  # the sampler against the scorer: full softmax vs processed
+            for name in ("full", "processed"):
+                r = batch[f"ratio_{name}"][mask]
+                self.log(f"sampling/ratio_{name}_mean", r.mean(), batch_size=n)
+                self.log(f"sampling/ratio_{name}_out", ((r < 0.9) | (r > 1.1)).float().mean(), batch_size=n)
+            for name in ("full", "processed", "policy_kept"):
+                self.log(f"sampling/kl_{name}_seq", batch[f"kl_{name}"].sum(-1).mean(), batch_size=n)
         self.log("train/kl_est", self.kl.metric, batch_size=n)
         self.log("train/ref_acc", self.ref_acc, batch_size=n)
         self.log("train/loss", loss.detach(), batch_size=n)

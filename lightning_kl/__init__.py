@@ -22,6 +22,14 @@ from lightning_kl.loss import KLPenaltyLoss
 from lightning_kl.metric import KLMetric
 from lightning_kl.refresh import ReferenceRefresh
 from lightning_kl.rollouts import OnPolicyRollouts
+from lightning_kl.sampling import (
+    OUTSIDE_MODES,
+    REFERENCES,
+    SampledLogprobs,
+    processed_full_kl,
+    processed_logprobs,
+    processed_logprobs_from_hidden,
+)
 from lightning_kl.sequence import LEVELS, Level
 
 __version__ = "0.2.0"
@@ -42,17 +50,23 @@ __all__ = [
     "KLRewardCallback",
     "LEVELS",
     "Level",
+    "OUTSIDE_MODES",
     "OnPolicyRollouts",
+    "REFERENCES",
     "ReferenceRefresh",
     "SAMPLED_ESTIMATORS",
     "SampledEstimatorName",
     "VocabShard",
+    "SampledLogprobs",
     "aggregate",
     "full_kl",
     "full_kl_from_hidden",
     "hf",
     "kl_penalty",
     "parse_estimator",
+    "processed_full_kl",
+    "processed_logprobs",
+    "processed_logprobs_from_hidden",
     "step_totals",
     "token_logprobs",
     "token_logprobs_from_hidden",

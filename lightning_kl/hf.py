@@ -28,13 +28,15 @@ Example (a user's ``training_step``; ``batch`` from a rollout with ``model.gener
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Iterator, Sequence, Union
+from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
 
 from lightning_kl.ground.checks import check_temperature
+from lightning_kl.kernels.processing import check_processing
 from lightning_kl.logprobs import token_logprobs
+from lightning_kl.sampling import processed_logprobs
 
 __all__ = [
     "adapters_disabled",
@@ -178,6 +180,12 @@ def response_logprobs(
     prompt_length: int,
     temperature: float = 1.0,
     return_logits: bool = False,
+    *,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    min_p: Optional[float] = None,
+    kept_from: Optional[Tensor] = None,
+    outside: str = "raise",
 ) -> Union[Tensor, tuple[Tensor, Tensor]]:
     r"""Log-probs of the response tokens under ``model``: one forward pass, float32, differentiable.
 
@@ -205,10 +213,19 @@ def response_logprobs(
         temperature: the sampling temperature (``generate(temperature=...)``): log-probs of
             ``softmax(logits / T)``, the distribution the tokens were drawn from.
         return_logits: also return the response logits (for the ``full`` estimator or the exact KL).
+        top_k, top_p, min_p: the sampler's truncation, as passed to ``generate`` (None: off): the
+            log-probs of the truncated, renormalized distribution the tokens were drawn from
+            (:func:`lightning_kl.processed_logprobs`). Response positions outside
+            ``attention_mask`` (after EOS: not sampled) then get 0.
+        kept_from: optional ``[b, t, V]`` response logits of the policy: the kept set is the
+            policy's (a reference renormalized on the policy's kept set).
+        outside: a sampled token outside the kept set: ``"raise"`` or ``"-inf"``
+            (:func:`lightning_kl.processed_logprobs`).
 
     Raises:
         ValueError: if ``sequences`` and ``attention_mask`` differ in shape, ``prompt_length`` is
-            out of range or ``temperature`` is not a finite number > 0 (before the forward pass).
+            out of range, ``temperature`` is not a finite number > 0 or a processing value is out of
+            range (before the forward pass); a sampled token outside the kept set (``outside="raise"``).
     """
     if sequences.dim() != 2 or attention_mask.shape != sequences.shape:
         hint = _batched_twice("sequences", sequences, 2) or (" They must be 2-D." if attention_mask.shape == sequences.shape else "")
@@ -218,6 +235,7 @@ def response_logprobs(
         )
     _check_prompt_length(prompt_length, sequences.shape[1], "sequences")
     temperature = check_temperature(temperature)  # before the forward pass, not after it
+    processed = check_processing(temperature, top_k, top_p, min_p).truncates or kept_from is not None
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     t = sequences.shape[1] - prompt_length
     out = model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids,
@@ -226,7 +244,14 @@ def response_logprobs(
     # logits_to_keep=t+1 keeps the last t+1 positions; a model that ignores it returns all of them
     logits = response_logits(logits, logits.shape[1] - t)
     # chunked and exact, with no float32 copy of the logits (bf16 models): lk.token_logprobs
-    logprobs = token_logprobs(logits, sequences[:, prompt_length:], temperature=temperature)
+    if processed:
+        # positions after EOS were not sampled: the sampler's kept set says nothing about them
+        tokens = sequences[:, prompt_length:].masked_fill(attention_mask[:, prompt_length:] == 0, -100)
+        logprobs = processed_logprobs(
+            logits, tokens, temperature, top_k, top_p, min_p, -100, outside=outside, kept_from=kept_from
+        ).logprobs
+    else:
+        logprobs = token_logprobs(logits, sequences[:, prompt_length:], temperature=temperature)
     return (logprobs, logits) if return_logits else logprobs
 
 
@@ -268,13 +293,14 @@ def reference_logprobs(
     prompt_length: int,
     temperature: float = 1.0,
     return_logits: bool = False,
+    **processing: Any,
 ) -> Union[Tensor, tuple[Tensor, Tensor]]:
     r""":func:`response_logprobs` of ``model`` with its adapters off, without gradient: the reference.
 
     With LoRA adapters trained on a frozen base model, the reference is the base model, and this is
     its log-probs at no extra parameter memory (TRL does the same). The activations of this forward
-    pass are not kept (``torch.no_grad``). Arguments, shapes and errors as :func:`response_logprobs`;
+    pass are not kept (``torch.no_grad``). Arguments (the processing keywords too), shapes and errors as :func:`response_logprobs`;
     :func:`adapters_disabled` raises ``TypeError`` for a model without adapters.
     """
     with adapters_disabled(model):
-        return response_logprobs(model, sequences, attention_mask, prompt_length, temperature, return_logits)
+        return response_logprobs(model, sequences, attention_mask, prompt_length, temperature, return_logits, **processing)

@@ -26,9 +26,22 @@ from torch import Tensor
 from lightning_kl.ground.checks import check_floating, check_head, check_temperature, check_tokens
 from lightning_kl.ground.vocab_shards import VocabShard, is_vocab_parallel
 from lightning_kl.kernels.logprobs import token_logprobs_from_hidden_kernel, token_logprobs_kernel
+from lightning_kl.kernels.processing import check_processing
 from lightning_kl.kernels.vocab_parallel import vocab_parallel_token_logprobs, vocab_parallel_token_logprobs_from_hidden
+from lightning_kl.sampling import processed_logprobs, processed_logprobs_from_hidden
 
 __all__ = ["FromHidden", "token_logprobs", "token_logprobs_from_hidden"]
+
+
+def _refuse_truncation_on_shards(top_k: Any, top_p: Any, min_p: Any) -> None:
+    """Top-k, top-p and min-p over a vocabulary split across ranks are not built: refuse them clearly."""
+    if check_processing(1.0, top_k, top_p, min_p).truncates:
+        raise ValueError(
+            f"top_k={top_k!r}, top_p={top_p!r}, min_p={min_p!r}: the sampler's truncation is not supported on "
+            "logits or heads split over the vocabulary (its kept set needs a selection across the shards). "
+            "Pass the temperature alone, or gather the logits of these rows (`logits.full_tensor()`) to score "
+            "a truncated sampler."
+        )
 
 
 class FromHidden(NamedTuple):
@@ -65,6 +78,9 @@ def token_logprobs(
     ignore_index: Optional[int] = None,
     *,
     chunk_size: Optional[int] = None,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    min_p: Optional[float] = None,
 ) -> Tensor:
     r"""Log-probabilities of ``tokens`` under ``softmax(logits / temperature)``.
 
@@ -86,6 +102,9 @@ def token_logprobs(
             Face's label padding is ``-100``), even where the logits hold NaN.
         chunk_size: rows per chunk (default: about :math:`2^{19}` elements per chunk on CPU,
             :math:`2^{25}` on GPU).
+        top_k, top_p, min_p: the sampler's truncation, as ``generate`` names it (None, or 0, 1.0
+            and 0.0: off): the log-probs of the truncated, renormalized distribution, from
+            :func:`lightning_kl.processed_logprobs` (a token outside the kept set raises).
 
     Returns:
         ``[...]`` log-probabilities, float32 (float64 for float64 logits), differentiable w.r.t. ``logits``.
@@ -106,7 +125,10 @@ def token_logprobs(
         True
     """
     if is_vocab_parallel(logits):  # split over the vocabulary (docs/scale.md): never gathered
+        _refuse_truncation_on_shards(top_k, top_p, min_p)
         return vocab_parallel_token_logprobs(logits, tokens, check_temperature(temperature), ignore_index, _check_size("chunk_size", chunk_size))
+    if (top_k, top_p, min_p) != (None, None, None):
+        return processed_logprobs(logits, tokens, temperature, top_k, top_p, min_p, ignore_index, chunk_size=chunk_size).logprobs
     check_floating("logits", logits)
     if logits.ndim == 0 or logits.shape[-1] == 0:
         raise ValueError(f"`logits` must be `[..., V]` with a vocabulary of V >= 1 entries, got shape {tuple(logits.shape)}.")
@@ -126,6 +148,9 @@ def token_logprobs_from_hidden(
     *,
     chunk_size: Optional[int] = None,
     vocab_chunk_size: Optional[int] = None,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    min_p: Optional[float] = None,
 ) -> Tensor:
     r"""Log-probabilities of ``tokens`` under ``softmax((hidden @ weight.T + bias) / temperature)``.
 
@@ -152,6 +177,9 @@ def token_logprobs_from_hidden(
         chunk_size: rows per block (default 4096).
         vocab_chunk_size: vocabulary entries per tile (default: about :math:`2^{22}` logits per tile on
             CPU, :math:`2^{26}` on GPU).
+        top_k, top_p, min_p: the sampler's truncation (None: off), from
+            :func:`lightning_kl.processed_logprobs_from_hidden` (whole-vocabulary chunks of
+            ``chunk_size`` rows; ``vocab_chunk_size`` does not apply).
 
     Returns:
         ``[...]`` log-probabilities, float32 (float64 for float64 inputs).
@@ -172,6 +200,12 @@ def token_logprobs_from_hidden(
                 [-0.2119,  0.4260],
                 [-0.2119, -0.2130]])
     """
+    if isinstance(weight, VocabShard):
+        _refuse_truncation_on_shards(top_k, top_p, min_p)
+    elif (top_k, top_p, min_p) != (None, None, None):
+        return processed_logprobs_from_hidden(
+            hidden, weight, tokens, bias, temperature, top_k, top_p, min_p, ignore_index, chunk_size=chunk_size
+        ).logprobs
     check_head(hidden, weight, bias)
     temperature = check_temperature(temperature)
     _check_size("chunk_size", chunk_size)

@@ -365,8 +365,10 @@ def test_example_config_runs_on_policy_and_trains_only_the_adapters(tmp_path, ca
         # if the rollout was sampled after the previous optimizer step (no prefetch)
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
             seq, am, mask = batch["sequences"], batch["attention_mask"], batch["mask"]
+            dm = trainer.datamodule  # the YAML's sampler: temperature and top-p, scored processed
             with torch.no_grad():
-                now = hf.response_logprobs(module.policy, seq, am, seq.shape[1] - mask.shape[1])
+                now = hf.response_logprobs(module.policy, seq, am, seq.shape[1] - mask.shape[1],
+                                           dm.hparams.temperature, **dm.scoring)
             seen.setdefault("gap", []).append(float((now - batch["logprobs"])[mask].abs().max()))
             seen.setdefault("batches", []).append({k: v for k, v in batch.items()})
 
@@ -385,9 +387,12 @@ def test_example_config_runs_on_policy_and_trains_only_the_adapters(tmp_path, ca
     seq, mask = first["sequences"], first["mask"]
     p = seq.shape[1] - mask.shape[1]
     assert_close(mask, hf.response_mask(seq[:, p:], ex.EOS_ID), rtol=0, atol=0)
-    # adapters start as a no-op (lora_B = 0): the first rollout's policy is the reference, exactly
-    assert_close(first["logprobs"], first["ref_logprobs"], rtol=0, atol=0)
-    assert first["true_kl"].abs().max() < 1e-6
+    # adapters start as a no-op (lora_B = 0): the first rollout's policy is the reference, exactly:
+    # the softmaxes' KL and the KL on the policy's kept set are 0; the processed log-probs exceed the
+    # reference's softmax ones by -log S >= 0 (the YAML samples with top-p)
+    assert first["kl_full"].abs().max() < 1e-6 and first["kl_policy_kept"].abs().max() < 1e-6
+    assert (first["logprobs"][mask] >= first["ref_logprobs"][mask] - 1e-6).all()
+    assert (first["logprobs"][mask] > first["ref_logprobs"][mask]).any()
     assert len({int(g) for g in first["group"]}) == ddp_worker.TINY_DATA["prompts_per_rollout"]
     # the reference is still the pretrained model: only the adapters trained
     state = torch.load(module.reference_path, map_location="cpu", weights_only=True)

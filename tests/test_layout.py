@@ -16,6 +16,7 @@ LAYER_OF = {
     "functional": 2,
     "sequence": 2,
     "logprobs": 2,
+    "sampling": 2,
     "accumulation": 2,
     "mixing": 2,
 }  # shells and integrations (the rest): 3
