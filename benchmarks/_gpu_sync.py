@@ -82,7 +82,9 @@ def sync_debug(device: torch.device) -> Iterator[None]:
         finally:
             torch.cuda.set_sync_debug_mode(before)
         return
-    saved = {name: getattr(Tensor, name) for name in HOST_READS}
+    # only what Tensor defines itself is put back; the rest is deleted again, so that the inherited C
+    # slots come back (a restored Python __index__ on Tensor changes how torch.tensor() reads lists)
+    saved = {name: Tensor.__dict__[name] for name in HOST_READS if name in Tensor.__dict__}
     saved_nonzero = torch.nonzero
     saved_devices = getattr(ground_checks, "HOST_READ_DEVICES", None)
 
@@ -100,8 +102,11 @@ def sync_debug(device: torch.device) -> Iterator[None]:
             ground_checks.HOST_READ_DEVICES = frozenset()
         yield
     finally:
-        for name, method in saved.items():
-            setattr(Tensor, name, method)
+        for name in HOST_READS:
+            if name in saved:
+                setattr(Tensor, name, saved[name])
+            else:
+                delattr(Tensor, name)
         torch.nonzero = saved_nonzero
         if saved_devices is not None:
             ground_checks.HOST_READ_DEVICES = saved_devices

@@ -122,7 +122,7 @@ def tensor_parallel(model: nn.Module, mesh: Any) -> None:
                                                      "mlp.gate_proj", "mlp.up_proj")}
         plan.update({"self_attn.o_proj": RowwiseParallel(), "mlp.down_proj": RowwiseParallel()})
         parallelize_module(layer, mesh, plan)
-    # logits sharded over the vocabulary as a DTensor; made whole in `logits_of` for now
+    # logits sharded over the vocabulary as a DTensor: lk.token_logprobs and "full" take them as they are
     parallelize_module(model, mesh, {"lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)})
 
 
@@ -189,12 +189,15 @@ class MPProbe(pl.LightningModule):
         return torch.utils.data.DataLoader(batches, batch_size=None, shuffle=False)
 
     def _forward(self, model: nn.Module, ids: Tensor, hidden: bool) -> tuple[Tensor, Optional[Tensor]]:
-        """Response logits ``[b, t, V]`` (made whole) and, with ``hidden``, the last hidden states ``[b, t, d]``."""
+        """Response logits ``[b, t, V]`` and, with ``hidden``, the last hidden states ``[b, t, d]``.
+
+        Under tensor parallelism the logits stay a DTensor sharded over the vocabulary (``Shard(-1)``):
+        the log-probs and the full KL are computed without gathering it (docs/scale.md).
+        """
         out = model(input_ids=ids, use_cache=False, output_hidden_states=hidden)
         logits = out.logits
-        if hasattr(logits, "full_tensor"):
-            # TODO(vocab-parallel): pass the vocabulary-sharded DTensor to lk.token_logprobs / "full" here
-            logits = logits.full_tensor()
+        if hasattr(logits, "placements"):
+            self.record["vocab_sharded"] = [type(x).__name__ for x in logits.placements]
         h = out.hidden_states[-1][:, P - 1 : P + T - 1] if hidden else None
         return logits[:, P - 1 : P + T - 1], h
 

@@ -69,6 +69,9 @@ def test_the_replicas_hold_unequal_data_and_the_tensor_parallel_ranks_the_same(d
     ranks, _ = dp_tp
     assert [(r["dp_rank"], r["dp_size"]) for r in ranks] == [(0, 2), (0, 2), (1, 2), (1, 2)]
     assert ranks[0]["rewards"] == ranks[1]["rewards"] != ranks[2]["rewards"] == ranks[3]["rewards"]
+    # the log-probs and the full KL were given the tensor parallel head's logits as they are: a DTensor
+    # sharded over the vocabulary, never gathered (so the equalities below hold for that path)
+    assert all(r["vocab_sharded"] == ["Shard"] for r in ranks)
 
 
 def test_every_configuration_gives_the_one_process_loss_gradient_and_metric(run: Any) -> None:

@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 from torch import Tensor
 from torch.testing import assert_close
 
@@ -35,22 +36,30 @@ def device_form(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
         return read
 
-    getitem = Tensor.__getitem__
-
-    def index(self: Tensor, key: Any) -> Any:
-        keys = key if isinstance(key, tuple) else (key,)
-        if any(isinstance(k, Tensor) and k.dtype == torch.bool for k in keys):
-            raise AssertionError("indexing by a bool tensor: a host sync")
-        return getitem(self, key)
-
-    with monkeypatch.context() as m:
+    with monkeypatch.context() as m, _RefuseBoolIndexing():
         m.setattr(checks, "HOST_READ_DEVICES", frozenset())
         for name in READS + SIZED_BY_VALUES:
             m.setattr(Tensor, name, refuse(name))
         for name in SIZED_BY_VALUES:
             m.setattr(torch, name, refuse(name))
-        m.setattr(Tensor, "__getitem__", index)
         yield
+
+
+class _RefuseBoolIndexing(TorchFunctionMode):
+    """Indexing by a bool tensor sizes its result by values (a host sync): refused.
+
+    A torch function mode, not a patched ``Tensor.__getitem__``: setting and deleting ``__getitem__``
+    on the class leaves CPython's sequence slot behind, and ``torch.tensor([[0-d tensors]])`` then
+    fails in every later test of the process.
+    """
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is Tensor.__getitem__:
+            key = args[1]
+            keys = key if isinstance(key, tuple) else (key,)
+            if any(isinstance(k, Tensor) and k.dtype == torch.bool for k in keys):
+                raise AssertionError("indexing by a bool tensor: a host sync")
+        return func(*args, **(kwargs or {}))
 
 
 def _inputs() -> dict[str, Tensor]:
