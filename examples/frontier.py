@@ -259,17 +259,28 @@ def append_row(path: Path, row: dict[str, Any]) -> None:
         writer.writerow({k: row.get(k, "") for k in CSV_FIELDS})
 
 
+def pending(sweep: Sweep) -> list[tuple[Choice, float, int, dict[str, Any], str]]:
+    """The runs of ``sweep`` whose key ``frontier.csv`` lacks: ``(choice, coef, seed, config, key)``.
+
+    The key is that of the run's whole configuration, so a changed budget or model runs again.
+    """
+    done = {row["key"] for row in read_results(sweep.out / "frontier.csv")}
+    todo = []
+    for choice in sweep.choices:
+        for coef in sweep.coefs:
+            for seed in sweep.seeds:
+                config = run_config(sweep, choice, coef, seed)
+                key = _runs.config_key(config)
+                if key not in done:
+                    todo.append((choice, coef, seed, config, key))
+    return todo
+
+
 def run_sweep(sweep: Sweep, limit: Optional[int] = None) -> int:
     """Run the runs of ``sweep`` that ``frontier.csv`` lacks (at most ``limit``); returns how many ran."""
     csv_path = sweep.out / "frontier.csv"
-    done = {row["key"] for row in read_results(csv_path)}
     plan = [(c, coef, seed) for c in sweep.choices for coef in sweep.coefs for seed in sweep.seeds]
-    todo = []
-    for choice, coef, seed in plan:
-        config = run_config(sweep, choice, coef, seed)
-        key = _runs.config_key(config)
-        if key not in done:
-            todo.append((choice, coef, seed, config, key))
+    todo = pending(sweep)
     print(f"[frontier] {len(plan)} runs in the sweep, {len(plan) - len(todo)} already in {csv_path}, "
           f"{len(todo)} to run{f' (this part: {limit})' if limit is not None and limit < len(todo) else ''}")
     todo = todo[:limit] if limit is not None else todo

@@ -1,0 +1,171 @@
+"""The frontier sweep (examples/frontier.py): its configuration, its runs, resuming, the CSV, plot and summary.
+
+The machinery, not the science: a two-coefficient sweep of two choices on a tiny toy model.
+"""
+
+from __future__ import annotations
+
+import csv
+import doctest
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+pytestmark = pytest.mark.filterwarnings("ignore:Your `IterableDataset` has `__len__` defined")
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+
+
+def _load(name: str):
+    if name in sys.modules:  # another test module loaded it: one class per name for jsonargparse
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+frontier = _load("frontier")
+
+LOSS = {"name": "k3+ sequence", "loss": "k3+", "level": "sequence"}
+REWARD = {"name": "k1 in the reward", "reward": "k1"}
+
+
+def _sweep_yaml(tmp_path: Path, **changes) -> Path:
+    """A tiny toy sweep: 2 choices x 2 coefficients x 1 seed, a 1-layer model, 3 rollouts of 4 sequences."""
+    raw = {
+        "example": "toy",
+        "base_config": str(EXAMPLES / "configs" / "grpo_k3plus.yaml"),
+        "overrides": {
+            "trainer": {"enable_progress_bar": False, "enable_model_summary": False, "enable_checkpointing": False},
+            "model": {"d_model": 16, "n_layer": 1, "n_head": 2, "pretrain_steps": 3, "pretrain_batch_size": 8,
+                      "cache_dir": str(tmp_path / "reference")},
+            "data": {"prompts_per_rollout": 2, "group_size": 2, "max_new_tokens": 4, "reference_samples": 16,
+                     "rollouts": 3},
+        },
+        "out": str(tmp_path / "sweep"),
+        "coefs": [0.01, 0.5],
+        "seeds": [0],
+        "matched_kl": [0.01],
+        "choices": [LOSS, REWARD],
+        **changes,
+    }
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+@pytest.fixture(autouse=True)
+def one_thread(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["frontier.py"])  # LightningCLI reads args=, not pytest's argv
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _rows(sweep) -> list[dict[str, str]]:
+    with open(sweep.out / "frontier.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_sweep_runs_in_parts_resumes_and_reports(tmp_path):
+    path = _sweep_yaml(tmp_path)
+    # a sweep stopped after its first run ...
+    sweep = frontier.main(["--config", str(path), "--limit", "1"])
+    first = _rows(sweep)
+    assert len(first) == 1 and first[0]["choice"] == "k3+ sequence" and first[0]["coef"] == "0.01"
+    # ... continues where it was: the 3 missing runs, the first row untouched
+    frontier.main(["--config", str(path)])
+    rows = _rows(sweep)
+    assert rows[0] == first[0]
+    assert [(r["choice"], float(r["coef"])) for r in rows] == [
+        ("k3+ sequence", 0.01), ("k3+ sequence", 0.5), ("k1 in the reward", 0.01), ("k1 in the reward", 0.5)]
+    assert len({r["key"] for r in rows}) == 4
+    for r in rows:
+        assert r["status"] == "ok", r
+        assert int(float(r["steps"])) == 3  # one row per rollout, all of them
+        assert 0.0 <= float(r["reward"]) <= 1.0 and float(r["kl_response"]) >= 0.0
+        assert float(r["kl_token"]) <= float(r["kl_response"]) + 1e-9  # a response has at least one token
+    # the coefficient reached the run, in the loss or in the reward: read back from the run's own log
+    for r, key in zip(rows, ["train/kl_loss_coef", "train/kl_loss_coef", "kl/coef", "kl/coef"]):
+        version = f"coef{float(r['coef']):g}-seed0"
+        series = frontier._runs.read_metrics(sweep.out / "runs" / frontier.Choice(r["choice"]).slug / version / "metrics.csv")
+        assert [v for _, v in series[key]] == pytest.approx([float(r["coef"])] * 3)
+        assert ("kl/coef" in series) == (r["choice"] == "k1 in the reward")  # no callback on a loss run
+    # a third call runs nothing
+    assert frontier.pending(sweep) == []
+    assert frontier.run_sweep(sweep) == 0 and _rows(sweep) == rows
+    # the plot and the summary
+    assert (sweep.out / "frontier.png").stat().st_size > 10_000
+    text = (sweep.out / "summary.md").read_text()
+    assert "| k3+ sequence |" in text and "| k1 in the reward |" in text and "coef 0.5" in text
+    # a changed sweep runs only what is new: another seed
+    more = frontier.load_sweep(_sweep_yaml(tmp_path, seeds=[0, 1]))
+    assert sorted((c.name, coef, seed) for c, coef, seed, _, _ in frontier.pending(more)) == [
+        ("k1 in the reward", 0.01, 1), ("k1 in the reward", 0.5, 1), ("k3+ sequence", 0.01, 1), ("k3+ sequence", 0.5, 1)]
+
+
+def test_run_config_places_the_choice_and_the_coefficient(tmp_path):
+    sweep = frontier.load_sweep(_sweep_yaml(tmp_path))
+    loss, reward = sweep.choices
+    cfg = frontier.run_config(sweep, loss, 0.5, 3)
+    assert cfg["seed_everything"] == 3 and cfg["trainer"]["callbacks"] == []
+    assert {k: cfg["model"][k] for k in ("kl_estimator", "kl_level", "kl_coef", "kl_agg")} == {
+        "kl_estimator": "k3+", "kl_level": "sequence", "kl_coef": 0.5, "kl_agg": "seq-mean-token-sum"}
+    assert cfg["model"]["d_model"] == 16 and cfg["data"]["rollouts"] == 3  # the overrides, merged
+    assert cfg["data"]["target_token"] == 7  # the base config kept where not overridden
+    cfg = frontier.run_config(sweep, reward, 0.01, 0)
+    assert cfg["model"]["kl_estimator"] is None  # no KL in the loss
+    (callback,) = cfg["trainer"]["callbacks"]
+    assert callback["init_args"] == {"estimator": "k1", "controller": {
+        "class_path": "lightning_kl.FixedKLController", "init_args": {"kl_coef": 0.01}}}
+    hf = frontier.load_sweep(_sweep_yaml(tmp_path, example="hf", choices=[REWARD]))
+    assert frontier.run_config(hf, hf.choices[0], 0.1, 0)["model"]["kl_coef"] == 0.0
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        ({"example": "gpt5"}, r"`example` 'gpt5' is not one of \['hf', 'toy'\]"),
+        ({"coefs": [-1]}, "`coefs` must be"),
+        ({"chocies": []}, r"unknown keys \['chocies'\]"),
+        ({"choices": [{"name": "x", "loss": "k4"}]}, r"`loss` 'k4' is not one of \['k1'"),
+        ({"choices": [{"name": "x", "loss": "k3+", "level": "seq"}]}, r"`level` 'seq' is not one of \['token', 'sequence'\]"),
+        ({"choices": [{"name": "x", "reward": "full"}]}, r"`reward` 'full' is not one of \["),
+        ({"choices": [{"name": "x", "reward": "k1", "loss": "k2"}]}, "exactly one of `loss` and `reward`"),
+        ({"choices": [REWARD, {"name": "k1 in the reward!", "reward": "k3"}]}, "two choices share a name"),
+        ({"example": "hf", "choices": [{"name": "x", "loss": "full", "level": "sequence"}]}, "cannot use `full`"),
+        ({"base_config": "nope.yaml"}, "'nope.yaml' is not a file"),
+    ],
+)
+def test_bad_sweeps_fail_before_any_run(tmp_path, changes, match):
+    with pytest.raises(ValueError, match=match):
+        frontier.load_sweep(_sweep_yaml(tmp_path, **changes))
+    assert not (tmp_path / "sweep").exists()
+
+
+def test_reward_at_matched_kl_per_seed():
+    # seed 0: coef 1 -> (KL 0, reward 0), coef 0.1 -> (KL 2, reward 0.4): at KL 1, reward 0.2
+    # seed 1: coef 1 -> (KL 1, reward 0.3), coef 0.1 -> (KL 3, reward 0.5): at KL 1, reward 0.3
+    rows = [
+        {"choice": "a", "coef": 1.0, "seed": 0, "kl_response": 0.0, "reward": 0.0, "status": "ok"},
+        {"choice": "a", "coef": 0.1, "seed": 0, "kl_response": 2.0, "reward": 0.4, "status": "ok"},
+        {"choice": "a", "coef": 1.0, "seed": 1, "kl_response": 1.0, "reward": 0.3, "status": "ok"},
+        {"choice": "a", "coef": 0.1, "seed": 1, "kl_response": 3.0, "reward": 0.5, "status": "ok"},
+        {"choice": "a", "coef": 0.01, "seed": 1, "kl_response": math.nan, "reward": math.nan, "status": "error: x"},
+    ]
+    mean, sd, n = frontier.matched(rows, "a", 1.0)
+    assert (mean, sd, n) == (pytest.approx(0.25), pytest.approx(0.05), 2)
+    assert frontier.matched(rows, "a", 2.5) == (pytest.approx(0.45), 0.0, 1)  # seed 0 never reaches 2.5
+    (p1, p2, p3) = frontier.frontier_points(rows, "a")
+    assert (p3["coef"], p3["n"], p3["failed"]) == (1.0, 2, 0) and p3["kl"] == pytest.approx(0.5)
+    assert (p1["coef"], p1["n"], p1["failed"]) == (0.01, 0, 1)
+    assert doctest.testmod(frontier).failed == 0  # the docstring examples (examples/ is outside --doctest-modules)
