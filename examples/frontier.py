@@ -259,29 +259,32 @@ def append_row(path: Path, row: dict[str, Any]) -> None:
         writer.writerow({k: row.get(k, "") for k in CSV_FIELDS})
 
 
-def pending(sweep: Sweep) -> list[tuple[Choice, float, int, dict[str, Any], str]]:
-    """The runs of ``sweep`` whose key ``frontier.csv`` lacks: ``(choice, coef, seed, config, key)``.
+def plan(sweep: Sweep) -> list[tuple[Choice, float, int, dict[str, Any], str]]:
+    """Every run of ``sweep``: ``(choice, coef, seed, config, key)``, the key that of the whole config.
 
-    The key is that of the run's whole configuration, so a changed budget or model runs again.
+    So a changed budget or model is a new run, and a row of another sweep in the CSV is not counted.
     """
-    done = {row["key"] for row in read_results(sweep.out / "frontier.csv")}
-    todo = []
+    out = []
     for choice in sweep.choices:
         for coef in sweep.coefs:
             for seed in sweep.seeds:
                 config = run_config(sweep, choice, coef, seed)
-                key = _runs.config_key(config)
-                if key not in done:
-                    todo.append((choice, coef, seed, config, key))
-    return todo
+                out.append((choice, coef, seed, config, _runs.config_key(config)))
+    return out
+
+
+def pending(sweep: Sweep) -> list[tuple[Choice, float, int, dict[str, Any], str]]:
+    """The runs of :func:`plan` whose key ``frontier.csv`` lacks."""
+    done = {row["key"] for row in read_results(sweep.out / "frontier.csv")}
+    return [run for run in plan(sweep) if run[-1] not in done]
 
 
 def run_sweep(sweep: Sweep, limit: Optional[int] = None) -> int:
     """Run the runs of ``sweep`` that ``frontier.csv`` lacks (at most ``limit``); returns how many ran."""
     csv_path = sweep.out / "frontier.csv"
-    plan = [(c, coef, seed) for c in sweep.choices for coef in sweep.coefs for seed in sweep.seeds]
+    total = len(sweep.choices) * len(sweep.coefs) * len(sweep.seeds)
     todo = pending(sweep)
-    print(f"[frontier] {len(plan)} runs in the sweep, {len(plan) - len(todo)} already in {csv_path}, "
+    print(f"[frontier] {total} runs in the sweep, {total - len(todo)} already in {csv_path}, "
           f"{len(todo)} to run{f' (this part: {limit})' if limit is not None and limit < len(todo) else ''}")
     todo = todo[:limit] if limit is not None else todo
     for i, (choice, coef, seed, config, key) in enumerate(todo):
@@ -416,10 +419,13 @@ def plot(sweep: Sweep, rows: list[dict[str, Any]], out: Path) -> None:
 
 def report(sweep: Sweep, png: Optional[Path] = None) -> str:
     """Write ``summary.md`` and the plot (``frontier.png``, or ``png``) from ``frontier.csv``; the summary."""
-    rows = read_results(sweep.out / "frontier.csv")
+    keys = {run[-1] for run in plan(sweep)}
+    rows = [row for row in read_results(sweep.out / "frontier.csv") if row["key"] in keys]  # this sweep's
     if not rows:
-        raise FileNotFoundError(f"no runs in {sweep.out / 'frontier.csv'}: run the sweep first.")
+        raise FileNotFoundError(f"no runs of this sweep in {sweep.out / 'frontier.csv'}: run the sweep first.")
     text = summary(sweep, rows)
+    if len(rows) < len(keys):
+        text = f"**Incomplete:** {len(keys) - len(rows)} of the sweep's {len(keys)} runs not run yet.\n\n{text}"
     (sweep.out / "summary.md").write_text(text + "\n")
     plot(sweep, rows, sweep.out / "frontier.png")
     if png is not None:

@@ -111,6 +111,10 @@ def test_sweep_runs_in_parts_resumes_and_reports(tmp_path):
     more = frontier.load_sweep(_sweep_yaml(tmp_path, seeds=[0, 1]))
     assert sorted((c.name, coef, seed) for c, coef, seed, _, _ in frontier.pending(more)) == [
         ("k1 in the reward", 0.01, 1), ("k1 in the reward", 0.5, 1), ("k3+ sequence", 0.01, 1), ("k3+ sequence", 0.5, 1)]
+    assert frontier.report(more).startswith("**Incomplete:** 4 of the sweep's 8 runs not run yet.")
+    # a row of another sweep (another budget) in the same CSV is not this sweep's
+    fewer = frontier.load_sweep(_sweep_yaml(tmp_path, coefs=[0.01]))
+    assert frontier.report(fewer).startswith("2 runs (2 ok)")
 
 
 def test_run_config_places_the_choice_and_the_coefficient(tmp_path):
