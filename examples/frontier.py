@@ -216,7 +216,11 @@ def run_one(sweep: Sweep, config: dict[str, Any], config_path: Path) -> dict[str
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
     module = importlib.import_module(example.module)
     start = time.perf_counter()
-    cli = module.main(["fit", "--config", str(config_path)])
+    argv, sys.argv = sys.argv, sys.argv[:1]  # LightningCLI reads args=, not the sweep's own arguments
+    try:
+        cli = module.main(["fit", "--config", str(config_path)])
+    finally:
+        sys.argv = argv
     seconds = time.perf_counter() - start
     csv_logger = _runs.find_csv_logger(cli.trainer.loggers)
     series = _runs.read_metrics(Path(csv_logger.log_dir) / "metrics.csv")
