@@ -20,7 +20,8 @@ Writes, under ``out`` (from the YAML, or ``--out``):
 * ``frontier.csv``: one row per run (choice, coefficient, seed; final reward and exact KL, the means
   over the last quarter of the rollouts; steps; seconds; ``status``), appended as each run ends.
   **Resumable**: a run whose row is there (same configuration, by its key) is not run again, so a
-  sweep that was stopped continues where it was, and ``--limit N`` runs it in parts.
+  sweep that was stopped continues where it was, ``--limit N`` runs it in parts, and ``--only CHOICE``
+  lets several processes share a sweep (the CSV is read again before each run).
 * ``frontier.png``: reward against exact KL, one curve per choice, a point per coefficient at the
   mean over seeds with error bars of one standard deviation over seeds (both axes).
 * ``summary.md``: the same numbers as tables, and each choice's reward at matched exact KL
@@ -283,15 +284,26 @@ def pending(sweep: Sweep) -> list[tuple[Choice, float, int, dict[str, Any], str]
     return [run for run in plan(sweep) if run[-1] not in done]
 
 
-def run_sweep(sweep: Sweep, limit: Optional[int] = None) -> int:
-    """Run the runs of ``sweep`` that ``frontier.csv`` lacks (at most ``limit``); returns how many ran."""
+def run_sweep(sweep: Sweep, limit: Optional[int] = None, only: Optional[list[str]] = None) -> int:
+    """Run the runs of ``sweep`` that ``frontier.csv`` lacks (at most ``limit``); returns how many ran.
+
+    ``only``: the names of the choices to run (default: all). Before each run the CSV is read again,
+    so several processes can share a sweep (give them different ``only``).
+    """
+    names = [c.name for c in sweep.choices]
+    if only is not None and set(only) - set(names):
+        raise ValueError(f"--only {sorted(set(only) - set(names))}: not choices of the sweep; they are {names}.")
     csv_path = sweep.out / "frontier.csv"
     total = len(sweep.choices) * len(sweep.coefs) * len(sweep.seeds)
-    todo = pending(sweep)
+    todo = [run for run in pending(sweep) if only is None or run[0].name in only]
     print(f"[frontier] {total} runs in the sweep, {total - len(todo)} already in {csv_path}, "
           f"{len(todo)} to run{f' (this part: {limit})' if limit is not None and limit < len(todo) else ''}")
     todo = todo[:limit] if limit is not None else todo
+    ran = 0
     for i, (choice, coef, seed, config, key) in enumerate(todo):
+        if any(row["key"] == key for row in read_results(csv_path)):  # another process of the sweep ran it
+            continue
+        ran += 1
         path = sweep.out / "configs" / choice.slug / f"coef{coef:g}-seed{seed}.yaml"
         try:
             measured = run_one(sweep, config, path)
@@ -302,7 +314,7 @@ def run_sweep(sweep: Sweep, limit: Optional[int] = None) -> int:
         print(f"[frontier] {i + 1}/{len(todo)} {choice.name}, coef {coef:g}, seed {seed}: "
               f"reward {row.get('reward', math.nan):.3f}, exact KL {row.get('kl_response', math.nan):.3f} nats/response, "
               f"{row.get('seconds', math.nan):.1f} s, {row['status']}", flush=True)
-    return len(todo)
+    return ran
 
 
 # ---------------------------------------------------------------------------------------------
@@ -424,7 +436,11 @@ def plot(sweep: Sweep, rows: list[dict[str, Any]], out: Path) -> None:
 def report(sweep: Sweep, png: Optional[Path] = None) -> str:
     """Write ``summary.md`` and the plot (``frontier.png``, or ``png``) from ``frontier.csv``; the summary."""
     keys = {run[-1] for run in plan(sweep)}
-    rows = [row for row in read_results(sweep.out / "frontier.csv") if row["key"] in keys]  # this sweep's
+    seen, rows = set(), []
+    for row in read_results(sweep.out / "frontier.csv"):
+        if row["key"] in keys and row["key"] not in seen:  # this sweep's runs, the first row of each
+            seen.add(row["key"])
+            rows.append(row)
     if not rows:
         raise FileNotFoundError(f"no runs of this sweep in {sweep.out / 'frontier.csv'}: run the sweep first.")
     text = summary(sweep, rows)
@@ -442,12 +458,14 @@ def main(argv: Optional[list[str]] = None) -> Sweep:
     parser.add_argument("--config", required=True, help="the sweep's YAML (examples/configs/frontier_*.yaml)")
     parser.add_argument("--out", help="the output folder (default: the YAML's `out`)")
     parser.add_argument("--limit", type=int, help="run at most this many of the missing runs (a sweep in parts)")
+    parser.add_argument("--only", action="append", metavar="CHOICE",
+                        help="run only this choice (by name; repeat for more): a part of a sweep, e.g. in another process")
     parser.add_argument("--report-only", action="store_true", help="no runs: the plot and summary from the CSV")
     parser.add_argument("--png", help="also write the plot here (e.g. docs/frontier_toy.png)")
     args = parser.parse_args(argv)
     sweep = load_sweep(args.config, args.out)
     if not args.report_only:
-        run_sweep(sweep, args.limit)
+        run_sweep(sweep, args.limit, args.only)
     print(report(sweep, Path(args.png) if args.png else None))
     print(f"[frontier] files: {sweep.out / 'frontier.csv'}, {sweep.out / 'frontier.png'}, {sweep.out / 'summary.md'}")
     return sweep
