@@ -295,9 +295,11 @@ def run_sweep(sweep: Sweep, limit: Optional[int] = None, only: Optional[list[str
         raise ValueError(f"--only {sorted(set(only) - set(names))}: not choices of the sweep; they are {names}.")
     csv_path = sweep.out / "frontier.csv"
     total = len(sweep.choices) * len(sweep.coefs) * len(sweep.seeds)
-    todo = [run for run in pending(sweep) if only is None or run[0].name in only]
-    print(f"[frontier] {total} runs in the sweep, {total - len(todo)} already in {csv_path}, "
-          f"{len(todo)} to run{f' (this part: {limit})' if limit is not None and limit < len(todo) else ''}")
+    missing = pending(sweep)
+    todo = [run for run in missing if only is None or run[0].name in only]
+    part = f" ({', '.join(only)})" if only is not None else ""
+    print(f"[frontier] {total} runs in the sweep, {total - len(missing)} already in {csv_path}, "
+          f"{len(todo)} to run here{part}{f', at most {limit}' if limit is not None and limit < len(todo) else ''}")
     todo = todo[:limit] if limit is not None else todo
     ran = 0
     for i, (choice, coef, seed, config, key) in enumerate(todo):

@@ -100,6 +100,11 @@ def test_sweep_runs_in_parts_resumes_and_reports(tmp_path):
         series = frontier._runs.read_metrics(sweep.out / "runs" / frontier.Choice(r["choice"]).slug / version / "metrics.csv")
         assert [v for _, v in series[key]] == pytest.approx([float(r["coef"])] * 3)
         assert ("kl/coef" in series) == (r["choice"] == "k1 in the reward")  # no callback on a loss run
+    # a row written twice (two processes raced on one run) counts once
+    with open(sweep.out / "frontier.csv", "a", newline="") as f:
+        csv.DictWriter(f, fieldnames=frontier.CSV_FIELDS).writerow(rows[1])
+    assert frontier.report(sweep).startswith("4 runs (4 ok)")
+    rows = _rows(sweep)
     # a third call runs nothing
     assert frontier.pending(sweep) == []
     assert frontier.run_sweep(sweep) == 0 and _rows(sweep) == rows
@@ -107,11 +112,16 @@ def test_sweep_runs_in_parts_resumes_and_reports(tmp_path):
     assert (sweep.out / "frontier.png").stat().st_size > 10_000
     text = (sweep.out / "summary.md").read_text()
     assert "| k3+ sequence |" in text and "| k1 in the reward |" in text and "coef 0.5" in text
-    # a changed sweep runs only what is new: another seed
+    # a changed sweep runs only what is new: another seed, here only for one choice
     more = frontier.load_sweep(_sweep_yaml(tmp_path, seeds=[0, 1]))
+    with pytest.raises(ValueError, match=r"--only \['k3\+ token'\]: not choices of the sweep; they are \['k3\+ sequence'"):
+        frontier.run_sweep(more, only=["k3+ token"])
     assert sorted((c.name, coef, seed) for c, coef, seed, _, _ in frontier.pending(more)) == [
         ("k1 in the reward", 0.01, 1), ("k1 in the reward", 0.5, 1), ("k3+ sequence", 0.01, 1), ("k3+ sequence", 0.5, 1)]
-    assert frontier.report(more).startswith("**Incomplete:** 4 of the sweep's 8 runs not run yet.")
+    assert frontier.run_sweep(more, only=["k1 in the reward"]) == 2
+    assert [(c.name, coef, seed) for c, coef, seed, _, _ in frontier.pending(more)] == [
+        ("k3+ sequence", 0.01, 1), ("k3+ sequence", 0.5, 1)]
+    assert frontier.report(more).startswith("**Incomplete:** 2 of the sweep's 8 runs not run yet.")
     # a row of another sweep (another budget) in the same CSV is not this sweep's
     fewer = frontier.load_sweep(_sweep_yaml(tmp_path, coefs=[0.01]))
     assert frontier.report(fewer).startswith("2 runs (2 ok)")
