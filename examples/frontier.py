@@ -72,13 +72,14 @@ class Example:
     no_loss_kl: dict[str, Any]  # model settings with no KL in the loss (a reward choice)
     reward_label: str
     full: bool  # whether ``full`` (both models' logits) can be the loss's estimator
+    weights_key: Optional[str]  # the model setting that turns the loss's importance weights off, if any
 
 
 EXAMPLES = {
     "toy": Example("toy_rlhf", "train/reward", "train/kl_response", "train/ref_reward", {"kl_estimator": None},
-                   "reward (share of 7s)", True),
+                   "reward (share of 7s)", True, "kl_old_logprob"),
     "hf": Example("hf_grpo", "train/acc", "train/kl_seq", "train/ref_acc", {"kl_coef": 0.0},
-                  "accuracy", False),
+                  "accuracy", False, None),
 }
 CSV_FIELDS = ("choice", "coef", "seed", "reward", "kl_response", "kl_token", "ref_reward", "steps", "seconds",
               "status", "key")
@@ -91,12 +92,18 @@ SWEEP_KEYS = {"example", "base_config", "overrides", "out", "coefs", "seeds", "m
 
 @dataclass(frozen=True)
 class Choice:
-    """One way to use the KL: ``loss`` (an estimator at ``level``) or ``reward`` (an estimator)."""
+    """One way to use the KL: ``loss`` (an estimator at ``level``) or ``reward`` (an estimator).
+
+    ``weights: false`` gives the loss no ``old_logprob`` (no importance weights): the plain estimator
+    of frameworks without them. With them (the default), ``k1`` and ``k3`` get an exact expected
+    gradient, and on-policy ``k3``'s is ``k3+``'s token by token.
+    """
 
     name: str
     loss: Optional[str] = None
     level: str = "token"
     reward: Optional[str] = None
+    weights: bool = True
 
     @property
     def slug(self) -> str:
@@ -107,8 +114,8 @@ def parse_choice(raw: Any, example: Example) -> Choice:
     """A :class:`Choice` from its YAML mapping; the names are checked here, before any run."""
     import lightning_kl as lk
 
-    if not isinstance(raw, dict) or set(raw) - {"name", "loss", "level", "reward"} or "name" not in raw:
-        raise ValueError(f"a choice is a mapping with `name` and `loss` (and `level`) or `reward`, got {raw!r}.")
+    if not isinstance(raw, dict) or set(raw) - {"name", "loss", "level", "reward", "weights"} or "name" not in raw:
+        raise ValueError(f"a choice is a mapping with `name` and `loss` (and `level`, `weights`) or `reward`, got {raw!r}.")
     choice = Choice(**raw)
     if (choice.loss is None) == (choice.reward is None):
         raise ValueError(f"choice {choice.name!r}: give exactly one of `loss` and `reward`, got {raw!r}.")
@@ -117,9 +124,13 @@ def parse_choice(raw: Any, example: Example) -> Choice:
             raise ValueError(f"choice {choice.name!r}: `loss` {choice.loss!r} is not one of {list(lk.ESTIMATORS)}.")
         if choice.level not in lk.LEVELS:
             raise ValueError(f"choice {choice.name!r}: `level` {choice.level!r} is not one of {list(lk.LEVELS)}.")
+        if not choice.weights and example.weights_key is None:
+            raise ValueError(f"choice {choice.name!r}: this example always passes `old_logprob`; drop `weights: false`.")
         if choice.loss == "full" and not example.full:
             raise ValueError(f"choice {choice.name!r}: this example cannot use `full` in the loss; "
                              f"use one of {sorted(lk.SAMPLED_ESTIMATORS)}.")
+    elif not choice.weights:
+        raise ValueError(f"choice {choice.name!r}: `weights` is a setting of the loss; the reward has none.")
     elif choice.reward not in lk.SAMPLED_ESTIMATORS:
         raise ValueError(
             f"choice {choice.name!r}: `reward` {choice.reward!r} is not one of {sorted(lk.SAMPLED_ESTIMATORS)}."
@@ -192,6 +203,8 @@ def run_config(sweep: Sweep, choice: Choice, coef: float, seed: int) -> dict[str
         config = merge(yaml.safe_load(f), sweep.overrides)
     if choice.loss is not None:
         model = {"kl_estimator": choice.loss, "kl_level": choice.level, "kl_coef": coef, "kl_agg": "seq-mean-token-sum"}
+        if not choice.weights:  # only then: the other runs' keys do not change
+            model[example.weights_key] = False
         callbacks: list[Any] = []
     else:
         model = dict(example.no_loss_kl)

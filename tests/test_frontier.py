@@ -141,6 +141,9 @@ def test_run_config_places_the_choice_and_the_coefficient(tmp_path):
     (callback,) = cfg["trainer"]["callbacks"]
     assert callback["init_args"] == {"estimator": "k1", "controller": {
         "class_path": "lightning_kl.FixedKLController", "init_args": {"kl_coef": 0.01}}}
+    plain = frontier.parse_choice({"name": "k3", "loss": "k3", "weights": False}, frontier.EXAMPLES["toy"])
+    assert frontier.run_config(sweep, plain, 0.5, 0)["model"]["kl_old_logprob"] is False
+    assert "kl_old_logprob" not in frontier.run_config(sweep, loss, 0.5, 0)["model"]  # the default: keys unchanged
     hf = frontier.load_sweep(_sweep_yaml(tmp_path, example="hf", choices=[REWARD]))
     assert frontier.run_config(hf, hf.choices[0], 0.1, 0)["model"]["kl_coef"] == 0.0
 
@@ -158,6 +161,8 @@ def test_run_config_places_the_choice_and_the_coefficient(tmp_path):
         ({"choices": [REWARD, {"name": "k1 in the reward!", "reward": "k3"}]}, "two choices share a name"),
         ({"example": "hf", "choices": [{"name": "x", "loss": "full", "level": "sequence"}]}, "cannot use `full`"),
         ({"base_config": "nope.yaml"}, "'nope.yaml' is not a file"),
+        ({"choices": [{"name": "x", "reward": "k1", "weights": False}]}, "`weights` is a setting of the loss"),
+        ({"example": "hf", "choices": [{"name": "x", "loss": "k3", "weights": False}]}, "always passes `old_logprob`"),
     ],
 )
 def test_bad_sweeps_fail_before_any_run(tmp_path, changes, match):
@@ -183,3 +188,18 @@ def test_reward_at_matched_kl_per_seed():
     assert (p3["coef"], p3["n"], p3["failed"]) == (1.0, 2, 0) and p3["kl"] == pytest.approx(0.5)
     assert (p1["coef"], p1["n"], p1["failed"]) == (0.01, 0, 1)
     assert doctest.testmod(frontier).failed == 0  # the docstring examples (examples/ is outside --doctest-modules)
+
+
+@pytest.mark.parametrize("weights", [True, False])
+def test_toy_kl_old_logprob_switches_the_importance_weights(weights):
+    # on-policy (old = logprob), with weights k3's gradient is k3+'s, d per token; without, (1 - exp(-d)).
+    # coef 0.5 and seq-mean-token-sum over b = 2 responses: each token's gradient is 0.5 / 2 times that
+    toy = _load("toy_rlhf")
+    module = toy.ToyRLHF(d_model=16, n_layer=1, n_head=2, kl_estimator="k3", kl_coef=0.5,
+                         kl_agg="seq-mean-token-sum", kl_old_logprob=weights)
+    logprob = torch.tensor([[-1.0, -0.5, -2.0], [-0.3, -1.5, -0.7]], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([[-1.5, -0.2, -1.0], [-0.3, -2.5, -0.1]], dtype=torch.float64)
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    module.kl_term(logprob, ref, mask, logprob.detach(), None, None).backward()
+    d = (logprob - ref).detach()
+    torch.testing.assert_close(logprob.grad, 0.25 * (d if weights else 1 - torch.exp(-d)))
