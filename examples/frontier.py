@@ -422,30 +422,42 @@ def summary(sweep: Sweep, rows: list[dict[str, Any]]) -> str:
 
 
 def plot(sweep: Sweep, rows: list[dict[str, Any]], out: Path) -> None:
-    """Reward against exact KL per response, one curve per choice, error bars = std over seeds."""
+    """Two panels: reward against exact KL per response, one curve per choice, bars = std over seeds;
+    and each choice's reward minus the first choice's at the same KL (its mean curve, interpolated)."""
     plt = _runs.pyplot()
     example = EXAMPLES[sweep.example]
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, (ax, dax) = plt.subplots(1, 2, figsize=(14, 5))
     markers = "osD^vP*Xh"
+    base_choice = sweep.choices[0].name
+    base = [(p["coef"], p["kl"], p["reward"]) for p in frontier_points(rows, base_choice) if p["n"]]
     for i, choice in enumerate(sweep.choices):
         pts = [p for p in frontier_points(rows, choice.name) if p["n"]]
         if not pts:
             continue
         pts.sort(key=lambda p: -p["coef"])
-        ax.errorbar([p["kl"] for p in pts], [p["reward"] for p in pts], xerr=[p["kl_sd"] for p in pts],
-                    yerr=[p["reward_sd"] for p in pts], marker=markers[i % len(markers)], capsize=2,
-                    ls="--" if choice.reward is not None else "-", label=choice.name)
+        style = dict(marker=markers[i % len(markers)], capsize=2, ls="--" if choice.reward is not None else "-",
+                     label=choice.name, color=f"C{i}")
+        kl, reward = [p["kl"] for p in pts], [p["reward"] for p in pts]
+        ax.errorbar(kl, reward, xerr=[p["kl_sd"] for p in pts], yerr=[p["reward_sd"] for p in pts], **style)
+        gap = [r - reward_at_kl(base, k) for k, r in zip(kl, reward)]
+        dax.errorbar(kl, gap, yerr=[p["reward_sd"] for p in pts], **style)
     ref = [r["ref_reward"] for r in rows if r["status"] == "ok"]
     if ref:
         ax.axhline(sum(ref) / len(ref), color="gray", ls=":", label="reference")
-    ax.set_xscale("symlog", linthresh=0.1)
-    ax.set_xlabel("exact KL(policy || reference) per response, nats (last quarter of the run)")
+    dax.axhline(0.0, color="gray", lw=0.8)
+    kls = [r["kl_response"] for r in rows if r["status"] == "ok"]
+    for a in (ax, dax):
+        if kls and min(kls) > 0:
+            a.set_xscale("log")
+        a.set_xlabel("exact KL(policy || reference) per response, nats (last quarter of the run)")
+        a.grid(alpha=0.3)
     ax.set_ylabel(f"{example.reward_label} (last quarter of the run)")
+    dax.set_ylabel(f"minus {base_choice}'s at the same KL")
+    dax.set_title(f"gap to {base_choice} (its curve interpolated; blank outside its range)", fontsize=10)
     ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
     n_seeds = len({r["seed"] for r in rows})
     _runs.save_figure(fig, f"{sweep.example}: reward vs exact KL over {len(sweep.coefs)} coefficients, "
-                      f"{n_seeds} seed(s) (bars: std)", out)
+                      f"{n_seeds} seed(s) (bars: std over seeds)", out)
 
 
 def report(sweep: Sweep, png: Optional[Path] = None) -> str:
