@@ -430,6 +430,7 @@ def plot(sweep: Sweep, rows: list[dict[str, Any]], out: Path) -> None:
     markers = "osD^vP*Xh"
     base_choice = sweep.choices[0].name
     base = [(p["coef"], p["kl"], p["reward"]) for p in frontier_points(rows, base_choice) if p["n"]]
+    gaps: list[float] = []
     for i, choice in enumerate(sweep.choices):
         pts = [p for p in frontier_points(rows, choice.name) if p["n"]]
         if not pts:
@@ -440,14 +441,15 @@ def plot(sweep: Sweep, rows: list[dict[str, Any]], out: Path) -> None:
         kl, reward = [p["kl"] for p in pts], [p["reward"] for p in pts]
         ax.errorbar(kl, reward, xerr=[p["kl_sd"] for p in pts], yerr=[p["reward_sd"] for p in pts], **style)
         gap = [r - reward_at_kl(base, k) for k, r in zip(kl, reward)]
+        gaps += [g for g in gap if math.isfinite(g)]
         dax.errorbar(kl, gap, yerr=[p["reward_sd"] for p in pts], **style)
     ref = [r["ref_reward"] for r in rows if r["status"] == "ok"]
     if ref:
         ax.axhline(sum(ref) / len(ref), color="gray", ls=":", label="reference")
     dax.axhline(0.0, color="gray", lw=0.8)
     kls = [r["kl_response"] for r in rows if r["status"] == "ok"]
-    for a in (ax, dax):
-        if kls and min(kls) > 0:
+    for a, data in ((ax, kls), (dax, gaps)):
+        if data and kls and min(kls) > 0:  # a log axis needs some data and no KL of 0
             a.set_xscale("log")
         a.set_xlabel("exact KL(policy || reference) per response, nats (last quarter of the run)")
         a.grid(alpha=0.3)
