@@ -25,8 +25,8 @@ Writes, under ``out`` (from the YAML, or ``--out``):
 * ``frontier.png``: reward against exact KL, one curve per choice, a point per coefficient at the
   mean over seeds with error bars of one standard deviation over seeds (both axes).
 * ``summary.md``: the same numbers as tables, and each choice's reward at matched exact KL
-  (``matched_kl``): per seed, linear interpolation along its curve (the first crossing in the order
-  of increasing KL), then mean and spread over the seeds that reach that KL.
+  (``matched_kl``): per seed, interpolation along its curve, linear in log KL (the first crossing in
+  the order of decreasing coefficient), then mean and spread over the seeds that reach that KL.
 
 The YAML (see ``examples/configs/frontier_toy.yaml``)::
 
@@ -347,11 +347,14 @@ def mean_std(xs: list[float]) -> tuple[float, float]:
 def reward_at_kl(points: list[tuple[float, float, float]], kl: float) -> float:
     """The reward where the curve through ``points`` ``[(coef, kl, reward)...]`` first reaches ``kl``.
 
-    The points are taken in the order of decreasing coefficient (weak KL control last), joined by
-    straight lines; the result is the reward where the first segment crosses ``kl`` (NaN if none does).
+    The points are taken in the order of decreasing coefficient (weak KL control last) and joined
+    by straight lines in log KL (the frontiers are close to straight there; linear in KL where a KL
+    is 0); the result is the reward where the first segment crosses ``kl`` (NaN if none does).
 
     Example:
-        >>> reward_at_kl([(1.0, 0.5, 0.1), (0.1, 1.5, 0.3), (0.01, 3.0, 0.6)], 1.0)
+        >>> round(reward_at_kl([(1.0, 0.5, 0.1), (0.1, 2.0, 0.3), (0.01, 3.0, 0.6)], 1.0), 12)  # halfway in log KL
+        0.2
+        >>> reward_at_kl([(1.0, 0.0, 0.1), (0.1, 2.0, 0.3)], 1.0)  # a KL of 0: linear
         0.2
         >>> math.isnan(reward_at_kl([(1.0, 0.5, 0.1), (0.1, 1.5, 0.3)], 2.0))
         True
@@ -359,7 +362,10 @@ def reward_at_kl(points: list[tuple[float, float, float]], kl: float) -> float:
     pts = sorted(points, key=lambda p: -p[0])
     for (_, k0, r0), (_, k1, r1) in zip(pts, pts[1:]):
         if min(k0, k1) <= kl <= max(k0, k1):
-            return round(r0 + (r1 - r0) * (kl - k0) / (k1 - k0), 12) if k1 != k0 else max(r0, r1)
+            if k1 == k0:
+                return max(r0, r1)
+            t = math.log(kl / k0) / math.log(k1 / k0) if min(k0, k1) > 0 else (kl - k0) / (k1 - k0)
+            return r0 + (r1 - r0) * t
     return math.nan
 
 

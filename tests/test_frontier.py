@@ -172,7 +172,7 @@ def test_bad_sweeps_fail_before_any_run(tmp_path, changes, match):
 
 
 def test_reward_at_matched_kl_per_seed():
-    # seed 0: coef 1 -> (KL 0, reward 0), coef 0.1 -> (KL 2, reward 0.4): at KL 1, reward 0.2
+    # seed 0: coef 1 -> (KL 0, reward 0), coef 0.1 -> (KL 2, reward 0.4): at KL 1, reward 0.2 (linear: a KL of 0)
     # seed 1: coef 1 -> (KL 1, reward 0.3), coef 0.1 -> (KL 3, reward 0.5): at KL 1, reward 0.3
     rows = [
         {"choice": "a", "coef": 1.0, "seed": 0, "kl_response": 0.0, "reward": 0.0, "status": "ok"},
@@ -183,7 +183,8 @@ def test_reward_at_matched_kl_per_seed():
     ]
     mean, sd, n = frontier.matched(rows, "a", 1.0)
     assert (mean, sd, n) == (pytest.approx(0.25), pytest.approx(0.05), 2)
-    assert frontier.matched(rows, "a", 2.5) == (pytest.approx(0.45), 0.0, 1)  # seed 0 never reaches 2.5
+    # seed 0 never reaches 2.5; seed 1 is log(2.5) / log(3) of the way from KL 1 to KL 3
+    assert frontier.matched(rows, "a", 2.5) == (pytest.approx(0.3 + 0.2 * math.log(2.5) / math.log(3)), 0.0, 1)
     (p1, p2, p3) = frontier.frontier_points(rows, "a")
     assert (p3["coef"], p3["n"], p3["failed"]) == (1.0, 2, 0) and p3["kl"] == pytest.approx(0.5)
     assert (p1["coef"], p1["n"], p1["failed"]) == (0.01, 0, 1)
