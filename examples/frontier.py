@@ -398,9 +398,11 @@ def summary(sweep: Sweep, rows: list[dict[str, Any]]) -> str:
     """The markdown tables of the frontier: per choice and coefficient, and at matched exact KL."""
     names = [c.name for c in sweep.choices if any(r["choice"] == c.name for r in rows)]
     ref = mean_std([r["ref_reward"] for r in rows if r["status"] == "ok"])[0]
-    seconds = [r["seconds"] for r in rows if math.isfinite(r["seconds"])]
-    lines = [f"{len(rows)} runs ({sum(r['status'] == 'ok' for r in rows)} ok), {sum(seconds):.0f} s of runs "
-             f"({mean_std(seconds)[0]:.1f} s each); reference reward {ref:.3f}. Mean ± std over seeds.", "",
+    seconds = sorted(r["seconds"] for r in rows if math.isfinite(r["seconds"]))
+    timing = (f"{sum(seconds):.0f} s of runs (a run {seconds[0]:.1f} s at best, {seconds[len(seconds) // 2]:.1f} s "
+              f"the median, {seconds[-1]:.1f} s at worst)") if seconds else "no timings"
+    lines = [f"{len(rows)} runs ({sum(r['status'] == 'ok' for r in rows)} ok), {timing}; "
+             f"reference reward {ref:.3f}. Mean ± std over seeds.", "",
              "| choice | " + " | ".join(f"coef {c:g}" for c in sweep.coefs) + " |",
              "|---|" + "---|" * len(sweep.coefs)]
     for name in names:
