@@ -82,7 +82,11 @@ def test_sweep_runs_in_parts_resumes_and_reports(tmp_path):
     sweep = frontier.main(["--config", str(path), "--limit", "1"])
     first = _rows(sweep)
     assert len(first) == 1 and first[0]["choice"] == "k3+ sequence" and first[0]["coef"] == "0.01"
-    # ... continues where it was: the 3 missing runs, the first row untouched
+    # ... continues where it was: the 3 missing runs, the first row untouched; a run stopped midway
+    # left part of its log, which does not leak into its rerun (the CSVLogger writes its file anew)
+    stale = sweep.out / "runs" / "k3plus_sequence" / "coef0.5-seed0"
+    stale.mkdir(parents=True)
+    (stale / "metrics.csv").write_text("epoch,step,train/reward\n" + "0,0,9.0\n" * 10)
     frontier.main(["--config", str(path)])
     rows = _rows(sweep)
     assert rows[0] == first[0]
