@@ -22,9 +22,10 @@ Writes, under ``out`` (from the YAML, or ``--out``):
   **Resumable**: a run whose row is there (same configuration, by its key) is not run again, so a
   sweep that was stopped continues where it was, ``--limit N`` runs it in parts, and ``--only CHOICE``
   lets several processes share a sweep (the CSV is read again before each run).
-* ``frontier.png``: reward against exact KL, one curve per choice, a point per coefficient at the
+* ``<name>.png`` (``<name>``: the YAML file's name without ``.yaml``, so sweeps that share a folder
+  and its runs keep their own report): reward against exact KL, one curve per choice, a point per coefficient at the
   mean over seeds with error bars of one standard deviation over seeds (both axes).
-* ``summary.md``: the same numbers as tables, and each choice's reward at matched exact KL
+* ``<name>.md``: the same numbers as tables, and each choice's reward at matched exact KL
   (``matched_kl``): per seed, interpolation along its curve, linear in log KL (the first crossing in
   the order of decreasing coefficient), then mean and spread over the seeds that reach that KL.
 
@@ -148,6 +149,7 @@ class Sweep:
     seeds: tuple[int, ...]
     matched_kl: tuple[float, ...]
     choices: tuple[Choice, ...]
+    name: str = "frontier"  # the report's file names
 
 
 def load_sweep(path: str | Path, out: Optional[str | Path] = None) -> Sweep:
@@ -180,7 +182,7 @@ def load_sweep(path: str | Path, out: Optional[str | Path] = None) -> Sweep:
     if not base.is_file():
         raise ValueError(f"{path}: `base_config` {str(base)!r} is not a file.")
     return Sweep(raw["example"], base, raw.get("overrides") or {}, Path(out or raw.get("out") or "runs/frontier"),
-                 coefs, seeds, tuple(float(k) for k in raw.get("matched_kl") or ()), choices)
+                 coefs, seeds, tuple(float(k) for k in raw.get("matched_kl") or ()), choices, Path(path).stem)
 
 
 def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
@@ -471,7 +473,7 @@ def plot(sweep: Sweep, rows: list[dict[str, Any]], out: Path) -> None:
 
 
 def report(sweep: Sweep, png: Optional[Path] = None) -> str:
-    """Write ``summary.md`` and the plot (``frontier.png``, or ``png``) from ``frontier.csv``; the summary."""
+    """Write ``<name>.md`` and the plot ``<name>.png`` (and ``png``) from ``frontier.csv``; the summary."""
     keys = {run[-1] for run in plan(sweep)}
     seen, rows = set(), []
     for row in read_results(sweep.out / "frontier.csv"):
@@ -483,8 +485,8 @@ def report(sweep: Sweep, png: Optional[Path] = None) -> str:
     text = summary(sweep, rows)
     if len(rows) < len(keys):
         text = f"**Incomplete:** {len(keys) - len(rows)} of the sweep's {len(keys)} runs not run yet.\n\n{text}"
-    (sweep.out / "summary.md").write_text(text + "\n")
-    plot(sweep, rows, sweep.out / "frontier.png")
+    (sweep.out / f"{sweep.name}.md").write_text(text + "\n")
+    plot(sweep, rows, sweep.out / f"{sweep.name}.png")
     if png is not None:
         plot(sweep, rows, png)
     return text
@@ -504,7 +506,7 @@ def main(argv: Optional[list[str]] = None) -> Sweep:
     if not args.report_only:
         run_sweep(sweep, args.limit, args.only)
     print(report(sweep, Path(args.png) if args.png else None))
-    print(f"[frontier] files: {sweep.out / 'frontier.csv'}, {sweep.out / 'frontier.png'}, {sweep.out / 'summary.md'}")
+    print(f"[frontier] files: {sweep.out / 'frontier.csv'}, {sweep.out / sweep.name}.png, {sweep.out / sweep.name}.md")
     return sweep
 
 

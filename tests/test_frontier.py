@@ -113,8 +113,8 @@ def test_sweep_runs_in_parts_resumes_and_reports(tmp_path):
     assert frontier.pending(sweep) == []
     assert frontier.run_sweep(sweep) == 0 and _rows(sweep) == rows
     # the plot and the summary
-    assert (sweep.out / "frontier.png").stat().st_size > 10_000
-    text = (sweep.out / "summary.md").read_text()
+    assert (sweep.out / "sweep.png").stat().st_size > 10_000  # named after the YAML file
+    text = (sweep.out / "sweep.md").read_text()
     assert "| k3+ sequence |" in text and "| k1 in the reward |" in text and "coef 0.5" in text
     # a changed sweep runs only what is new: another seed, here only for one choice
     more = frontier.load_sweep(_sweep_yaml(tmp_path, seeds=[0, 1]))
