@@ -15,7 +15,8 @@ uses the same coefficient scale, the KL *per response* (``kl_agg: seq-mean-token
 the reward, ``KLRewardCallback`` with a ``FixedKLController(coef)`` charges ``coef`` per token of KL,
 summed over the response by the example's advantages), so the choices sweep the same numbers.
 
-Writes, under ``out`` (from the YAML, or ``--out``):
+Writes, under ``out`` (from the YAML, or ``--out``; the runs' keys include it, so a sweep moved to
+another folder runs again):
 
 * ``frontier.csv``: one row per run (choice, coefficient, seed; final reward and exact KL, the means
   over the last quarter of the rollouts; steps; seconds; ``status``), appended as each run ends.
@@ -23,8 +24,9 @@ Writes, under ``out`` (from the YAML, or ``--out``):
   sweep that was stopped continues where it was, ``--limit N`` runs it in parts, and ``--only CHOICE``
   lets several processes share a sweep (the CSV is read again before each run).
 * ``<name>.png`` (``<name>``: the YAML file's name without ``.yaml``, so sweeps that share a folder
-  and its runs keep their own report): reward against exact KL, one curve per choice, a point per coefficient at the
-  mean over seeds with error bars of one standard deviation over seeds (both axes).
+  and its runs keep their own report): reward against exact KL, one curve per choice, a point per
+  coefficient at the mean over seeds with error bars of one standard deviation over seeds (both
+  axes); beside it, each choice's reward minus the first choice's at the same KL.
 * ``<name>.md``: the same numbers as tables, and each choice's reward at matched exact KL
   (``matched_kl``): per seed, interpolation along its curve, linear in log KL (the first crossing in
   the order of decreasing coefficient), then mean and spread over the seeds that reach that KL.
@@ -35,11 +37,12 @@ The YAML (see ``examples/configs/frontier_toy.yaml``)::
     base_config: examples/configs/grpo_k3plus.yaml
     overrides: {data: {rollouts: 100}}   # merged into the base config for every run
     out: runs/frontier/toy
-    coefs: [0.003, 0.01, 0.03, 0.1, 0.3]
+    coefs: [0.02, 0.03, 0.05, 0.1, 0.2]   # per response, in the loss and in the reward alike
     seeds: [0, 1, 2]
     matched_kl: [1.0, 2.0]       # nats per response
     choices:
       - {name: k3+ token, loss: k3+, level: token}
+      - {name: k3 no weights, loss: k3, level: token, weights: false}   # no old_logprob
       - {name: k1 in the reward, reward: k1}
 """
 
