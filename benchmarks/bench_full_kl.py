@@ -97,7 +97,10 @@ def _run_child(args: argparse.Namespace, variant: str, chunk: int | None) -> dic
         cmd += ["--threads", str(args.threads)]
     if args.ref_grad:
         cmd.append("--ref-grad")
-    return run_child(cmd)
+    # every large block mapped on malloc and unmapped on free: without it, at small sizes (blocks under
+    # glibc's adaptive mmap threshold) a freed gradient stays resident between steps, and the peak above
+    # it reads below the gradient's own size ("beyond grads" negative)
+    return run_child(cmd, fixed_mmap_threshold=True)
 
 
 def main() -> None:

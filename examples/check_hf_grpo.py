@@ -95,7 +95,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--gain", type=float, default=0.2, help="accuracy gain over the reference")
     parser.add_argument("--max-kl", type=float, default=2.0, help="bound on the exact KL per response (nats)")
     parser.add_argument("--plot", type=Path, default=None, help="write a PNG of the runs here (needs matplotlib)")
+    parser.add_argument("--overwrite", action="store_true", help="let --plot replace an existing file")
     args = parser.parse_args(argv)
+    if args.plot is not None and args.plot.exists() and not args.overwrite:
+        parser.error(f"--plot {args.plot} exists (the docs' figure is a tracked file); pass --overwrite to replace it")
 
     runs = {}
     for name in (MAIN, CONTRAST):

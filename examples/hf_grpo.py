@@ -1,6 +1,7 @@
 r"""GRPO on a Hugging Face ``transformers`` policy with LoRA; the reference is the same model, adapters off.
 
     python examples/hf_grpo.py fit --config examples/configs/hf_grpo_lora.yaml
+    python examples/hf_grpo.py fit --config examples/configs/hf_grpo_fsdp2.yaml  # FSDP2, 2 CPU processes
 
 Everything is made here, on a CPU, with no download:
 
@@ -192,14 +193,20 @@ class ArithmeticDataModule(pl.LightningDataModule):
         return torch.Generator().manual_seed(int(torch.randint(2**62, ())) + rank)
 
     @torch.no_grad()
-    def sample(self, model: Any, problems: list[tuple[int, int]], device: torch.device) -> dict[str, Tensor]:
-        """Sample one answer per problem from ``model`` with ``generate``; masks and inputs for scoring."""
+    def sample(self, model: Any, problems: list[tuple[int, int]], device: torch.device,
+               synced: bool = False) -> dict[str, Tensor]:
+        """Sample one answer per problem from ``model`` with ``generate``; masks and inputs for scoring.
+
+        ``synced``: the model is sharded (FSDP2), so every rank runs as many forward passes as the
+        slowest one (``generate(synced_gpus=True)``): each pass gathers the weights collectively.
+        """
         h = self.hparams
         enc = self.tokenizer([prompt_text(a, b) for a, b in problems], return_tensors="pt", padding=True)
         prompt_ids, prompt_am = enc["input_ids"].to(device), enc["attention_mask"].to(device)
         sequences = model.generate(
             input_ids=prompt_ids, attention_mask=prompt_am, do_sample=True, temperature=h.temperature,
             top_k=0, top_p=1.0, max_new_tokens=h.max_new_tokens, pad_token_id=PAD_ID, eos_token_id=EOS_ID,
+            synced_gpus=synced,
         )
         p = prompt_ids.shape[1]
         mask = hf.response_mask(sequences[:, p:], EOS_ID)
@@ -223,7 +230,7 @@ class ArithmeticDataModule(pl.LightningDataModule):
         policy = module.policy
         was_training = policy.training
         policy.eval()
-        batch = self.sample(policy, problems, module.device)
+        batch = self.sample(policy, problems, module.device, module.sharded)
         seq, am, mask = batch["sequences"], batch["attention_mask"], batch["mask"]
         p = seq.shape[1] - mask.shape[1]
         logprobs, logits = hf.response_logprobs(policy, seq, am, p, h.temperature, return_logits=True)
@@ -249,7 +256,7 @@ class ArithmeticDataModule(pl.LightningDataModule):
         was_training = policy.training
         policy.eval()
         with hf.adapters_disabled(policy) as reference:
-            acc = float(self.sample(reference, problems, module.device)["scores"].mean())
+            acc = float(self.sample(reference, problems, module.device, module.sharded)["scores"].mean())
         policy.train(was_training)
         return acc
 
@@ -298,10 +305,10 @@ class HFGRPO(pl.LightningModule):
         lora_alpha: int = 16,
         lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
         lr: float = 3e-3,
-        kl_estimator: str = "k3+",
+        kl_estimator: lk.EstimatorName = "k3+",
         kl_coef: float = 0.3,
-        kl_agg: str = "seq-mean-token-sum",
-        kl_level: str = "sequence",
+        kl_agg: lk.AggMode = "seq-mean-token-sum",
+        kl_level: lk.Level = "sequence",
         kl_to_go: str = "k1",
         clip_eps: float = 0.2,
     ) -> None:
@@ -324,6 +331,7 @@ class HFGRPO(pl.LightningModule):
         self.reference_path: Optional[Path] = None
         self.reference_cached = False
         self.memory: dict[str, int] = {}
+        self.sharded = False  # by FSDP2, in configure_model
         self._train_start = 0.0
 
     # -- stage 1: the reference ----------------------------------------------------------------
@@ -384,6 +392,22 @@ class HFGRPO(pl.LightningModule):
             "reference_as_a_copy": base_bytes,
             "reference_adapters_off": 0,
         }
+
+    def configure_model(self) -> None:
+        """Under ``ModelParallelStrategy``: FSDP2 over the data parallel dimension (each decoder layer,
+        then the whole model); the reference is the same sharded model with its adapters off."""
+        mesh = self.device_mesh
+        if mesh is None or self.sharded:
+            return
+        if mesh["tensor_parallel"].size() > 1:
+            raise ValueError("this example shards with FSDP2 only: give ModelParallelStrategy(tensor_parallel_size=1).")
+        from torch.distributed.fsdp import fully_shard
+
+        model = self.policy.base_model.model  # the transformers model: generate() calls it, not the PeftModel
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh["data_parallel"])
+        fully_shard(model, mesh=mesh["data_parallel"])
+        self.sharded = True
 
     def on_fit_start(self) -> None:
         acc = torch.tensor(self.trainer.datamodule.reference_accuracy(self), device=self.device)

@@ -41,7 +41,7 @@ class KLBandit(pl.LightningModule):
 
     def __init__(
         self,
-        estimator: str = "k3+",
+        estimator: lk.EstimatorName = "k3+",  # `--help` lists the names
         kl_coef: float = 0.05,
         vocab: int = 8,
         length: int = 6,

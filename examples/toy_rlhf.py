@@ -33,6 +33,9 @@ The configs in ``examples/configs/``:
   token's advantage is its return-to-go (the score at the end minus the KL penalties from that
   token on), whitened over the batch; PPO's clipped ratio over 2 epochs x 2 minibatches per rollout.
 * ``ppo_fixed_k1.yaml``: the same with a larger fixed coefficient.
+* ``grpo_k3plus_refresh_hard.yaml``, ``grpo_k3plus_refresh_ema.yaml``: ``grpo_k3plus.yaml`` with a moving
+  reference (:class:`lightning_kl.ReferenceRefresh`: a hard reset every 50 steps, or an EMA of the
+  policy); measured by ``examples/refresh_study.py``.
 """
 
 from __future__ import annotations
@@ -384,10 +387,10 @@ class ToyRLHF(pl.LightningModule):
         pretrain_seed: int = 0,
         cache_dir: str = "runs/toy_rlhf/reference",
         lr: float = 1e-3,
-        kl_estimator: Optional[str] = "k3+",
+        kl_estimator: Optional[lk.EstimatorName] = "k3+",
         kl_coef: float = 0.3,
-        kl_agg: str = "token-mean",
-        kl_level: str = "token",
+        kl_agg: lk.AggMode = "token-mean",
+        kl_level: lk.Level = "token",
         advantage: str = "grpo",
         ppo_epochs: int = 1,
         minibatches: int = 1,

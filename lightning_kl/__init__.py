@@ -3,15 +3,26 @@
 from lightning_kl.accumulation import step_totals
 from lightning_kl.callback import KLRewardCallback
 from lightning_kl.controllers import AdaptiveKLController, FixedKLController, KLController
-from lightning_kl.estimators import BASE_ESTIMATORS, ESTIMATORS, SAMPLED_ESTIMATORS, EstimatorSpec, parse_estimator
+from lightning_kl.estimators import (
+    BASE_ESTIMATORS,
+    ESTIMATORS,
+    SAMPLED_ESTIMATORS,
+    EstimatorName,
+    EstimatorSpec,
+    SampledEstimatorName,
+    parse_estimator,
+)
 from lightning_kl import hf  # imports neither transformers nor peft
+from lightning_kl.ground.vocab_shards import VocabShard
 from lightning_kl.functional import AGG_MODES, aggregate, kl_penalty
+from lightning_kl.ground.checks import AggMode
 from lightning_kl.kernels.full import full_kl, full_kl_from_hidden
 from lightning_kl.logprobs import FromHidden, token_logprobs, token_logprobs_from_hidden
 from lightning_kl.loss import KLPenaltyLoss
 from lightning_kl.metric import KLMetric
+from lightning_kl.refresh import ReferenceRefresh
 from lightning_kl.rollouts import OnPolicyRollouts
-from lightning_kl.sequence import LEVELS
+from lightning_kl.sequence import LEVELS, Level
 
 __version__ = "0.2.0"
 
@@ -20,6 +31,8 @@ __all__ = [
     "BASE_ESTIMATORS",
     "ESTIMATORS",
     "AdaptiveKLController",
+    "AggMode",
+    "EstimatorName",
     "EstimatorSpec",
     "FixedKLController",
     "FromHidden",
@@ -28,8 +41,12 @@ __all__ = [
     "KLPenaltyLoss",
     "KLRewardCallback",
     "LEVELS",
+    "Level",
     "OnPolicyRollouts",
+    "ReferenceRefresh",
     "SAMPLED_ESTIMATORS",
+    "SampledEstimatorName",
+    "VocabShard",
     "aggregate",
     "full_kl",
     "full_kl_from_hidden",

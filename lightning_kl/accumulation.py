@@ -30,7 +30,9 @@ def step_totals(masks: Sequence[Optional[Tensor]] | Tensor) -> dict[str, Tensor]
         \texttt{num\_seqs} = \sum_j \#\{i : \textstyle\sum_t m^{(j)}_{it} > 0\}
 
     over the micro-batches :math:`j` of one optimizer step (one process's: with
-    ``KLPenaltyLoss(global_batch=True)`` the loss sums them over processes itself). The counts are
+    ``KLPenaltyLoss(global_batch=True)`` the loss sums them over the data parallel group itself, so
+    each data parallel replica counts once: under tensor parallelism the ranks of a replica hold
+    the same micro-batches and give the same totals, and are not summed). The counts are
     those that :func:`~lightning_kl.aggregate` divides by, so that passing them to every
     micro-batch's loss (``**step_totals(masks)``) gives each micro-batch its exact share of the
     step's ``token-mean`` or ``seq-mean-*`` loss. Every leading dimension is a sequence dimension.

@@ -13,9 +13,10 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_kl.controllers import FixedKLController, KLController
-from lightning_kl.estimators import SAMPLED_ESTIMATORS, parse_estimator
+from lightning_kl.estimators import SAMPLED_ESTIMATORS, SampledEstimatorName, parse_estimator
 from lightning_kl.functional import check_pair, kl_penalty_compute
 from lightning_kl.ground.checks import check_mask, compute_dtype
+from lightning_kl.ground.parallel import check_parallel_args, data_parallel_group
 
 __all__ = ["KLRewardCallback"]
 
@@ -34,21 +35,28 @@ class KLRewardCallback(Callback):
     token, as TRL and verl do). ``rewards`` is written into the batch, in float32 at least.
 
     Then the controller observes the KL of the *global* batch: the mean, over every sequence on every
-    process that has a valid token, of that sequence's token-mean KL, with ``n_steps`` the global
-    number of such sequences. The sum and the count are reduced with one ``all_reduce`` through
-    ``trainer.strategy``, so every process holds the same :math:`\beta`, and N processes with batch
-    ``b`` behave like one process with batch ``N * b``. The rewards of a batch use the coefficient
+    data parallel replica that has a valid token, of that sequence's token-mean KL, with ``n_steps``
+    the global number of such sequences. The sum and the count are reduced with one ``all_reduce``
+    through ``trainer.strategy`` over the data parallel group (given as ``process_group`` or
+    ``device_mesh``, else the strategy's: ``ModelParallelStrategy``'s device mesh dimension
+    ``"data_parallel"``, so that the tensor parallel ranks of a replica, which hold the same batch,
+    count once; for DDP the world), so every process holds the same :math:`\beta`, and N replicas
+    with batch ``b`` behave like one process with batch ``N * b``. The rewards of a batch use the coefficient
     from before that batch's update.
 
-    Logs ``{log_prefix}coef`` (the :math:`\beta` used for this batch) and ``{log_prefix}value`` (the
-    global KL; NaN for a global batch with no valid token, which leaves :math:`\beta` unchanged).
-    The controller's state is saved in Lightning checkpoints.
+    Logs ``{log_prefix}coef`` (the :math:`\beta` used for this batch), ``{log_prefix}value`` (the
+    global KL; NaN for a global batch with no valid token, which leaves :math:`\beta` unchanged) and
+    ``{log_prefix}empty_seqs`` (the global number of sequences with no valid token). The controller's
+    state is saved in Lightning checkpoints.
+
+    **A sequence with no valid token** (a truncated response dropped by zeroing its mask, as DAPO
+    does) is a normal input: it gets no penalty, its per-sequence score is dropped with it (its
+    rewards are all 0), it does not count in the KL, and it is counted in ``{log_prefix}empty_seqs``.
 
     No host synchronization per step: the coefficient, the reduced statistics and the controller's
     update stay on the device, and the logged values are tensors that Lightning reads when it logs.
-    A fault found on the device (a non-finite global KL, which leaves :math:`\beta` unchanged; a
-    per-sequence score on a sequence with no valid token, whose score is dropped) is raised as a
-    ``ValueError`` where the host reads anyway: every ``trainer.log_every_n_steps`` batches, at the
+    A fault found on the device (a non-finite global KL, which leaves :math:`\beta` unchanged) is
+    raised as a ``ValueError`` where the host reads anyway: every ``trainer.log_every_n_steps`` batches, at the
     end of every training epoch, and when a checkpoint saves the callback's state.
 
     **The KL of whole responses.** With ``k1`` and a policy loss that credits each token with the
@@ -67,6 +75,9 @@ class KLRewardCallback(Callback):
             ``logprobs`` are the behaviour policy's (the policy that sampled the batch).
         rewards_key: the batch key written.
         log_prefix: prefix of the logged names; give two callbacks different prefixes.
+        process_group: the data parallel ``ProcessGroup``, for layouts the strategy does not describe;
+            it must agree with the strategy's (checked at each batch).
+        device_mesh: the same as a ``DeviceMesh``: 1-D, or with a ``"data_parallel"`` dimension.
 
     Raises:
         ValueError: at construction, for an unknown estimator or a bad argument; at a step, for a
@@ -76,7 +87,7 @@ class KLRewardCallback(Callback):
 
     def __init__(
         self,
-        estimator: str = "k1",
+        estimator: SampledEstimatorName = "k1",
         controller: Optional[KLController] = None,
         scores_key: str = "scores",
         logprobs_key: str = "logprobs",
@@ -84,8 +95,13 @@ class KLRewardCallback(Callback):
         mask_key: str = "mask",
         rewards_key: str = "rewards",
         log_prefix: str = "kl/",
+        process_group: Any = None,
+        device_mesh: Any = None,
     ) -> None:
         super().__init__()
+        check_parallel_args(process_group, device_mesh)
+        self.process_group = process_group
+        self.device_mesh = device_mesh
         self.spec = parse_estimator(estimator)
         if self.spec.base == "full":
             valid = ", ".join(repr(n) for n in SAMPLED_ESTIMATORS)
@@ -120,7 +136,6 @@ class KLRewardCallback(Callback):
         self.mask_key = mask_key
         self.rewards_key = rewards_key
         self.log_prefix = log_prefix
-        self._empty_score: Optional[Tensor] = None
 
     @property
     def estimator(self) -> str:
@@ -189,10 +204,8 @@ class KLRewardCallback(Callback):
         t = mask.shape[-1]
         positions = torch.arange(t, device=mask.device).expand_as(mask)
         last = torch.where(mask, positions, -1).amax(-1)
-        # a sequence with no valid token has no place for its score: recorded on the device and
-        # raised where the host reads anyway (see _raise_pending), its score dropped meanwhile
-        empty = (last < 0).any()
-        self._empty_score = empty if self._empty_score is None else self._empty_score | empty
+        # a sequence with no valid token (dropped by zeroing its mask) has no place for its score:
+        # dropped with it, never written on padding
         scores = torch.where(last < 0, torch.zeros((), dtype=scores.dtype, device=scores.device), scores)
         return rewards.scatter_add(-1, last.clamp(min=0).unsqueeze(-1), scores.unsqueeze(-1))
 
@@ -218,12 +231,6 @@ class KLRewardCallback(Callback):
 
     def _raise_pending(self) -> None:
         """Raise a fault recorded on the device by the steps since the last check (reads the device)."""
-        empty, self._empty_score = self._empty_score, None
-        if empty is not None and bool(empty):
-            raise ValueError(
-                f"`{self.scores_key}` is per sequence, but some sequence has no valid token in `{self.mask_key}` "
-                "to carry its score."
-            )
         _ = self.controller.value  # reading it raises the controller's recorded fault (a non-finite KL)
 
     # -----------------------------------------------------------------------------------------
@@ -235,11 +242,16 @@ class KLRewardCallback(Callback):
         # the logged tensors (Lightning reads them when it logs); no host read in this hook
         coef = self.controller.value_tensor(pl_module.device)  # the one this batch's rewards use
         rewards, kl_sum, n_seqs = self.shape_rewards(batch)
-        stats = trainer.strategy.reduce(torch.stack([kl_sum, n_seqs]), reduce_op="sum")
+        n_rows = torch.full((), batch[self.mask_key].shape[:-1].numel(), dtype=torch.float64, device=kl_sum.device)
+        stats = torch.stack([kl_sum, n_seqs, n_rows])
+        dp = data_parallel_group(self.process_group, self.device_mesh, strategy=trainer.strategy)
+        if dp.size > 1:
+            stats = trainer.strategy.reduce(stats, group=dp.group, reduce_op="sum")
         current_kl = self.update_controller(stats[0], stats[1])
         batch_size = int(rewards.shape[0]) if rewards.ndim > 1 else 1
         pl_module.log(f"{self.log_prefix}coef", coef, on_step=True, on_epoch=False, batch_size=batch_size)
         pl_module.log(f"{self.log_prefix}value", current_kl, on_step=True, on_epoch=False, batch_size=batch_size)
+        pl_module.log(f"{self.log_prefix}empty_seqs", stats[2] - stats[1], on_step=True, on_epoch=False, batch_size=batch_size)
 
     @override
     def on_train_batch_end(

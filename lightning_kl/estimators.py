@@ -36,12 +36,21 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, Union
 
 import torch
 from torch import Tensor
 
-__all__ = ["BASE_ESTIMATORS", "ESTIMATORS", "FULL", "SAMPLED_ESTIMATORS", "EstimatorSpec", "parse_estimator"]
+__all__ = [
+    "BASE_ESTIMATORS",
+    "ESTIMATORS",
+    "FULL",
+    "SAMPLED_ESTIMATORS",
+    "EstimatorName",
+    "EstimatorSpec",
+    "SampledEstimatorName",
+    "parse_estimator",
+]
 
 # canonical base name for every accepted spelling (aliases map to the canonical name)
 _ALIASES: dict[str, str] = {
@@ -66,6 +75,15 @@ FULL = "full"
 
 #: Every accepted estimator name: the sampled ones and ``full``.
 ESTIMATORS: tuple[str, ...] = SAMPLED_ESTIMATORS + (FULL,)
+
+#: The type of an ``estimator`` argument: one of :data:`ESTIMATORS`. LightningCLI's ``--help`` lists
+#: them; any other string passes the parser and is refused when the object is built, by a message that
+#: lists the valid names (the last line a YAML user sees, not a parser's type error).
+EstimatorName = Union[Literal[ESTIMATORS], str]  # type: ignore[valid-type]
+
+#: The type of a sampled ``estimator`` argument (:class:`~lightning_kl.KLRewardCallback`'s): one of
+#: :data:`SAMPLED_ESTIMATORS`, as :data:`EstimatorName`.
+SampledEstimatorName = Union[Literal[SAMPLED_ESTIMATORS], str]  # type: ignore[valid-type]
 
 # -d is clamped to this range before exp() in k3: exp(20) ~ 4.9e8 is far from float32 overflow.
 K3_CLAMP = 20.0

@@ -32,7 +32,9 @@ from lightning_kl.ground.checks import (
     check_sampled_temperature,
     compute_dtype,
     reject_old_logprob,
+    warn_if_reference_requires_grad,
 )
+from lightning_kl.ground.vocab_shards import sampled_locals
 from lightning_kl.kernels import fused
 from lightning_kl.kernels.full import full_kl_compute
 from lightning_kl.sequence import (
@@ -234,8 +236,9 @@ def importance_weight(log_w: Tensor, spec: EstimatorSpec, max_weight: Optional[f
 
 
 def check_pair(logprob: object, ref_logprob: object) -> None:
-    """``logprob`` and ``ref_logprob``: floating tensors of one shape on one device."""
+    """``logprob`` and ``ref_logprob``: floating tensors of one shape on one device; warns if the reference requires grad."""
     check_matching("logprob", logprob, "ref_logprob", ref_logprob)
+    warn_if_reference_requires_grad("ref_logprob", ref_logprob)
 
 
 def check_old_logprob(old_logprob: Optional[Tensor], logprob: Tensor) -> None:
@@ -340,6 +343,7 @@ def kl_penalty(
             kl = full_with_kl_to_go(kl, sampled_logprob, mask)
         return kl.to(out_dtype)
     check_sampled_logprob(sampled_logprob, logprob, False)
+    logprob, ref_logprob, old_logprob = sampled_locals(logprob, ref_logprob, old_logprob)  # loss_parallel's DTensors
     if sequence and isinstance(logprob, Tensor) and logprob.ndim == 0:
         raise ValueError("level='sequence' needs a token dimension (the last one), got a scalar `logprob`.")
     check_sampled_temperature(temperature, spec.name)

@@ -56,6 +56,17 @@ def _check_prompt_length(prompt_length: int, seq_len: int, what: str) -> None:
         )
 
 
+def _batched_twice(name: str, x: Tensor, dims: int) -> str:
+    # a rollout batch that is already batched, given to a DataLoader with its default batch_size=1,
+    # comes back with one more leading dimension of size 1
+    if x.dim() == dims + 1 and x.shape[0] == 1:
+        return (
+            f" `{name}` has an extra leading dimension of size 1: a DataLoader with its default batch_size=1 "
+            "batches a batch again; give it `batch_size=None` for a dataset whose items are whole batches."
+        )
+    return ""
+
+
 def response_logits(logits: Tensor, prompt_length: int) -> Tensor:
     r"""The logits that predict the response tokens: ``logits[:, p - 1 : -1]``.
 
@@ -79,19 +90,21 @@ def response_logits(logits: Tensor, prompt_length: int) -> Tensor:
         [2.0, 3.0]
     """
     if logits.dim() != 3:
-        raise ValueError(f"`logits` must be [b, p + t, V], got shape {tuple(logits.shape)}.")
+        raise ValueError(f"`logits` must be [b, p + t, V], got shape {tuple(logits.shape)}.{_batched_twice('logits', logits, 3)}")
     _check_prompt_length(prompt_length, logits.shape[1], "logits")
     return logits[:, prompt_length - 1 : -1]
 
 
-def _eos_hits(responses: Tensor, eos_token_id: Union[int, Sequence[int]]) -> Tensor:
+def _eos_hits(responses: Tensor, eos_token_id: Union[int, Sequence[int], Tensor]) -> Tensor:
+    if isinstance(eos_token_id, Tensor) and eos_token_id.dim() <= 1 and not eos_token_id.is_floating_point():
+        eos_token_id = eos_token_id.tolist()  # a tensor(2) or tensor([2, 7]) from a tokenizer or config
     ids = [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
     if not isinstance(ids, (list, tuple)) or not ids or any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
-        raise ValueError(f"`eos_token_id` must be an int or a non-empty list of ints, got {eos_token_id!r}.")
+        raise ValueError(f"`eos_token_id` must be an int or a non-empty list of ints (or an integer tensor of them), got {eos_token_id!r}.")
     return torch.isin(responses, torch.tensor(ids, device=responses.device))
 
 
-def response_mask(responses: Tensor, eos_token_id: Union[int, Sequence[int]]) -> Tensor:
+def response_mask(responses: Tensor, eos_token_id: Union[int, Sequence[int], Tensor]) -> Tensor:
     r"""True on each response's tokens up to and including its first EOS; False after it.
 
     ``generate`` pads a finished row with ``pad_token_id``, often the EOS id itself: only the
@@ -102,7 +115,8 @@ def response_mask(responses: Tensor, eos_token_id: Union[int, Sequence[int]]) ->
 
     Args:
         responses: the generated tokens after the prompt block.
-        eos_token_id: one id or several (``model.generation_config.eos_token_id`` may be a list).
+        eos_token_id: one id or several (``model.generation_config.eos_token_id`` may be a list), as
+            ints or as an integer tensor (0-d or 1-d).
 
     Raises:
         ValueError: if ``responses`` is not 2-D or ``eos_token_id`` is not an int or a list of ints.
@@ -117,7 +131,7 @@ def response_mask(responses: Tensor, eos_token_id: Union[int, Sequence[int]]) ->
         [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
     """
     if responses.dim() != 2:
-        raise ValueError(f"`responses` must be [b, t], got shape {tuple(responses.shape)}.")
+        raise ValueError(f"`responses` must be [b, t], got shape {tuple(responses.shape)}.{_batched_twice('responses', responses, 2)}")
     hit = _eos_hits(responses, eos_token_id)
     # EOS seen strictly before position i: the cumulative count minus the hit at i itself
     before = hit.cumsum(-1) - hit.long()
@@ -150,7 +164,7 @@ def sequence_inputs(prompt_attention_mask: Tensor, mask: Tensor) -> tuple[Tensor
     if prompt_attention_mask.dim() != 2 or mask.dim() != 2 or prompt_attention_mask.shape[0] != mask.shape[0]:
         raise ValueError(
             f"`prompt_attention_mask` [b, p] and `mask` [b, t] must be 2-D with the same b, got shapes "
-            f"{tuple(prompt_attention_mask.shape)} and {tuple(mask.shape)}."
+            f"{tuple(prompt_attention_mask.shape)} and {tuple(mask.shape)}.{_batched_twice('mask', mask, 2)}"
         )
     attention_mask = torch.cat([prompt_attention_mask.long(), mask.long()], dim=-1)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
@@ -197,9 +211,10 @@ def response_logprobs(
             out of range or ``temperature`` is not a finite number > 0 (before the forward pass).
     """
     if sequences.dim() != 2 or attention_mask.shape != sequences.shape:
+        hint = _batched_twice("sequences", sequences, 2) or (" They must be 2-D." if attention_mask.shape == sequences.shape else "")
         raise ValueError(
             f"`sequences` and `attention_mask` must both be [b, p + t], got shapes {tuple(sequences.shape)} "
-            f"and {tuple(attention_mask.shape)}."
+            f"and {tuple(attention_mask.shape)}.{hint}"
         )
     _check_prompt_length(prompt_length, sequences.shape[1], "sequences")
     temperature = check_temperature(temperature)  # before the forward pass, not after it

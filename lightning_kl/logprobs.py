@@ -24,7 +24,9 @@ import torch
 from torch import Tensor
 
 from lightning_kl.ground.checks import check_floating, check_head, check_temperature, check_tokens
+from lightning_kl.ground.vocab_shards import VocabShard, is_vocab_parallel
 from lightning_kl.kernels.logprobs import token_logprobs_from_hidden_kernel, token_logprobs_kernel
+from lightning_kl.kernels.vocab_parallel import vocab_parallel_token_logprobs, vocab_parallel_token_logprobs_from_hidden
 
 __all__ = ["FromHidden", "token_logprobs", "token_logprobs_from_hidden"]
 
@@ -57,7 +59,7 @@ def _check_size(name: str, value: Any) -> Optional[int]:
 
 
 def token_logprobs(
-    logits: Tensor,
+    logits: Tensor | VocabShard,
     tokens: Tensor,
     temperature: float = 1.0,
     ignore_index: Optional[int] = None,
@@ -75,7 +77,9 @@ def token_logprobs(
 
     Args:
         logits: ``[..., V]`` floating point (float16, bfloat16, float32, float64); any layout
-            (``logits[:, :-1]`` is read in place, never copied whole).
+            (``logits[:, :-1]`` is read in place, never copied whole). Or logits split over the
+            vocabulary across a tensor parallel group, never gathered: a DTensor with ``Shard(-1)``
+            or a :class:`~lightning_kl.VocabShard` (see :mod:`lightning_kl.kernels.vocab_parallel`).
         tokens: ``[...]`` integer ids in ``[0, V)``.
         temperature: :math:`T > 0`, the sampling temperature.
         ignore_index: an id whose positions get log-prob 0 and exactly zero gradient (Hugging
@@ -101,6 +105,8 @@ def token_logprobs(
         >>> bool((logits.grad[1] == 0).all())  # the ignored token: zero gradient
         True
     """
+    if is_vocab_parallel(logits):  # split over the vocabulary (docs/scale.md): never gathered
+        return vocab_parallel_token_logprobs(logits, tokens, check_temperature(temperature), ignore_index, _check_size("chunk_size", chunk_size))
     check_floating("logits", logits)
     if logits.ndim == 0 or logits.shape[-1] == 0:
         raise ValueError(f"`logits` must be `[..., V]` with a vocabulary of V >= 1 entries, got shape {tuple(logits.shape)}.")
@@ -112,7 +118,7 @@ def token_logprobs(
 
 def token_logprobs_from_hidden(
     hidden: Tensor,
-    weight: Tensor,
+    weight: Tensor | VocabShard,
     tokens: Tensor,
     bias: Optional[Tensor] = None,
     temperature: float = 1.0,
@@ -135,7 +141,10 @@ def token_logprobs_from_hidden(
 
     Args:
         hidden: ``[..., d]`` the last hidden states (after the final norm).
-        weight: ``[V, d]`` the LM head (``lm_head.weight``), the dtype and device of ``hidden``.
+        weight: ``[V, d]`` the LM head (``lm_head.weight``), the dtype and device of ``hidden``; or
+            a :class:`~lightning_kl.VocabShard` of this rank's rows ``[V_local, d]`` of a
+            column-parallel head (``bias`` then its ``[V_local]`` slice, ``chunk_size`` rows per
+            chunk): the vocabulary is never gathered (:mod:`lightning_kl.kernels.vocab_parallel`).
         tokens: ``[...]`` integer ids in ``[0, V)``.
         bias: optional ``[V]`` head bias.
         temperature: :math:`T > 0`, the sampling temperature.
@@ -167,5 +176,7 @@ def token_logprobs_from_hidden(
     temperature = check_temperature(temperature)
     _check_size("chunk_size", chunk_size)
     _check_size("vocab_chunk_size", vocab_chunk_size)
+    if isinstance(weight, VocabShard):  # a column-parallel head's rows (docs/scale.md)
+        return vocab_parallel_token_logprobs_from_hidden(hidden, weight, bias, tokens, temperature, ignore_index, chunk_size)
     ids, ignored = check_tokens(tokens, hidden.shape[:-1], weight.shape[0], hidden.device, "hidden", ignore_index)
     return token_logprobs_from_hidden_kernel(hidden, weight, bias, ids, ignored, temperature, chunk_size, vocab_chunk_size)

@@ -6,14 +6,14 @@ import math
 from typing import Any, Optional
 
 import torch
-import torch.distributed
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_kl.accumulation import check_accumulate_grad_batches
-from lightning_kl.estimators import parse_estimator
+from lightning_kl.estimators import EstimatorName, parse_estimator
 from lightning_kl.functional import aggregate, aggregate_counts, check_old_logprob, check_pair, kl_penalty_compute
 from lightning_kl.ground.checks import (
+    AggMode,
     check_agg_mode,
     check_count,
     check_full_hidden_inputs,
@@ -24,10 +24,14 @@ from lightning_kl.ground.checks import (
     check_temperature,
     reject_old_logprob,
 )
+from lightning_kl.ground.parallel import check_parallel_args, data_parallel_group
+from lightning_kl.ground.vocab_shards import sampled_locals
 from lightning_kl.kernels.full import full_kl_compute, full_kl_from_hidden_compute
 from lightning_kl.logprobs import FromHidden
 from lightning_kl.metric import KLMetric
+from lightning_kl.running import TrainerLookup
 from lightning_kl.sequence import (
+    Level,
     check_kl_to_go,
     check_level,
     check_sampled_logprob,
@@ -57,17 +61,22 @@ class KLPenaltyLoss(nn.Module):
         estimator: one of :data:`lightning_kl.ESTIMATORS`; ``+`` names carry the k2 gradient, the
             unbiased gradient of the KL for on-policy samples. Validated here.
         coef: the loss coefficient (``>= 0``).
-        agg: one of :data:`lightning_kl.AGG_MODES`.
+        agg: one of :data:`lightning_kl.AGG_MODES`; ``None`` (the default) is ``"token-mean"``, with a
+            warning at ``level="sequence"``, where that mode is exact only for a fixed token count.
         agg_norm: the constant divisor of ``seq-mean-token-sum-norm`` (default: the padded length).
         global_batch: normalize as one process over the global batch of every data parallel
-            process. When ``torch.distributed`` is initialized, forward sums the (detached) counts
-            of valid tokens and of non-empty sequences over the default process group (one
-            ``all_reduce`` of two integers), divides by those and multiplies by the world size
-            ``W``, so that DDP's gradient *averaging* yields exactly the global batch's gradient in
-            every ``agg`` mode; each process's loss is then ``W`` times its share, and their mean
-            over processes is the global batch's loss. Every process must then call forward the
-            same number of times. Outside distributed training it changes nothing. Without it (the
-            default), under DDP: ``token-mean`` is exact only when every process holds the same
+            replica. When ``torch.distributed`` is initialized, forward sums the (detached) counts
+            of valid tokens and of non-empty sequences over the data parallel group (one
+            ``all_reduce`` of two numbers), divides by those and multiplies by the group's size
+            ``W``, so that the gradient *averaging* of DDP or FSDP yields exactly the global batch's
+            gradient in every ``agg`` mode; each replica's loss is then ``W`` times its share, and
+            their mean over replicas is the global batch's loss. Every process must then call
+            forward the same number of times. The group is ``process_group`` or ``device_mesh``
+            when given, else found by itself: under Lightning's ``ModelParallelStrategy`` its
+            device mesh's ``"data_parallel"`` dimension (the tensor parallel ranks of a replica,
+            which hold the same batch, count once), under DDP the world (see
+            :func:`lightning_kl.ground.parallel.data_parallel_group`). Outside distributed training
+            it changes nothing. Without it (the default), under DDP: ``token-mean`` is exact only when every process holds the same
             number of valid tokens, ``seq-mean-token-sum`` and ``seq-mean-token-mean`` only when
             every process holds the same number of non-empty sequences, and ``token-sum`` and
             ``seq-mean-token-sum-norm`` give ``1 / W`` of the global gradient.
@@ -87,6 +96,9 @@ class KLPenaltyLoss(nn.Module):
             fixed. ``full`` then needs ``sampled_logprob`` in forward. See :mod:`lightning_kl.sequence`.
         kl_to_go: sampled estimators at ``level="sequence"``: ``"k1"`` (default, the sum of the later
             log-ratios) or ``"k3"`` (the sum of their ``k3`` values: the same expectation, less noise).
+        process_group: the data parallel ``ProcessGroup`` (for ``global_batch`` and :attr:`metric`), for
+            loops and layouts that Lightning does not describe; default: found by itself.
+        device_mesh: the same as a ``DeviceMesh``: 1-D, or with a ``"data_parallel"`` dimension.
 
     With ``estimator="full"``, ``forward(logits, ref_logits, mask)`` takes both models' logits
     ``[b, t, V]`` and a ``[b, t]`` mask, and aggregates the exact per-token KL over the vocabulary
@@ -127,19 +139,24 @@ class KLPenaltyLoss(nn.Module):
 
     def __init__(
         self,
-        estimator: str = "k3+",
+        estimator: EstimatorName = "k3+",
         coef: float = 0.001,
-        agg: str = "token-mean",
+        agg: Optional[AggMode] = None,
         agg_norm: Optional[float] = None,
         global_batch: bool = False,
         max_weight: Optional[float] = None,
         temperature: float = 1.0,
-        level: str = "token",
+        level: Level = "token",
         kl_to_go: str = "k1",
+        process_group: Any = None,
+        device_mesh: Any = None,
     ) -> None:
         super().__init__()
+        check_parallel_args(process_group, device_mesh)
+        self.process_group = process_group
+        self.device_mesh = device_mesh
         self.spec = parse_estimator(estimator)
-        self.agg = check_agg_mode(agg)
+        self.agg = check_agg_mode("token-mean" if agg is None else agg)
         if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not math.isfinite(coef) or coef < 0:
             raise ValueError(f"`coef` must be a finite number >= 0, got {coef!r}.")
         if agg_norm is not None and not (isinstance(agg_norm, (int, float)) and agg_norm > 0):
@@ -156,9 +173,17 @@ class KLPenaltyLoss(nn.Module):
         self.level = check_level(level)
         if self.level == "sequence":
             check_sequence_agg(self.agg)
+            if agg is None:
+                rank_zero_warn(
+                    "KLPenaltyLoss(level='sequence') without `agg` uses agg='token-mean', which is exact at the "
+                    "sequence level only when every batch holds the same number of valid tokens. Pass "
+                    "agg='seq-mean-token-sum' (the mean KL per response), 'token-sum' or 'seq-mean-token-sum-norm' "
+                    "for responses of any length, or agg='token-mean' explicitly for a fixed token count."
+                )
         self.kl_to_go = check_kl_to_go(kl_to_go, self.level, self.spec.base == "full")
-        self.metric = KLMetric()
+        self.metric = KLMetric(process_group=process_group, device_mesh=device_mesh)
         self._warned_micro_counts = False
+        self._lookup = TrainerLookup()
 
     @property
     def estimator(self) -> str:
@@ -174,7 +199,7 @@ class KLPenaltyLoss(nn.Module):
         *,
         num_tokens: Optional[Tensor | float] = None,
         num_seqs: Optional[Tensor | float] = None,
-        accumulate_grad_batches: int = 1,
+        accumulate_grad_batches: Optional[int] = None,
         sampled_logprob: Optional[Tensor] = None,
     ) -> Tensor:
         """The scalar KL loss; ``old_logprob`` (the sampling policy's) importance weights it.
@@ -186,13 +211,17 @@ class KLPenaltyLoss(nn.Module):
 
         Gradient accumulation (``Trainer(accumulate_grad_batches=k)``): give the optimizer step's
         totals over its ``k`` micro-batches, ``num_tokens`` (valid tokens) and ``num_seqs``
-        (sequences with a valid token), e.g. from :func:`~lightning_kl.step_totals`, and
-        ``accumulate_grad_batches=self.trainer.accumulate_grad_batches``. The loss then divides by
+        (sequences with a valid token), e.g. from :func:`~lightning_kl.step_totals`. The loss then divides by
         the step's totals instead of the micro-batch's and is multiplied by ``k``, which Lightning
         divides back out, so that the accumulated gradient is that of one batch holding the ``k``
         micro-batches, in every ``agg`` mode. With ``global_batch=True`` the totals are this
         process's and are summed over processes (as the micro-batch counts are otherwise). With
         ``k > 1`` and no total for a mode that divides by one, a warning is given once.
+
+        ``accumulate_grad_batches`` defaults to the Trainer's while a Trainer trains the
+        ``LightningModule`` whose ``training_step`` (or a method it calls) calls this loss: found once
+        from the caller's ``self`` (:mod:`lightning_kl.running`), so that forgetting the totals is
+        warned about. Outside a Trainer it is 1; pass it to skip the lookup.
         """
         from_hidden = isinstance(logprob, FromHidden), isinstance(ref_logprob, FromHidden)
         if any(from_hidden) and not (self.spec.base == "full" and all(from_hidden)):
@@ -218,19 +247,27 @@ class KLPenaltyLoss(nn.Module):
                 kl = full_with_kl_to_go(kl, sampled_logprob, mask)
         else:
             check_sampled_logprob(sampled_logprob, logprob, False)
+            logprob, ref_logprob, old_logprob = sampled_locals(logprob, ref_logprob, old_logprob)  # loss_parallel's DTensors
             check_pair(logprob, ref_logprob)
             check_old_logprob(old_logprob, logprob)
             mask = check_mask(mask, logprob, "logprob")
             kl = kl_penalty_compute(
                 logprob, ref_logprob, self.spec, mask, old_logprob, self.max_weight, self.level, self.kl_to_go
             )
-        k = check_accumulate_grad_batches(accumulate_grad_batches)
+        k = check_accumulate_grad_batches(self._trainer_accumulation() if accumulate_grad_batches is None else accumulate_grad_batches)
         given = (num_tokens, num_seqs)
         for name, n in zip(("num_tokens", "num_seqs"), given):
             check_count(name, n)
         self._warn_if_micro_batch_counts(k, given)
         self.metric(kl.detach(), mask)
         return self.coef * self._aggregate(kl, mask, given, k)
+
+    def _trainer_accumulation(self) -> int:
+        # the Trainer's accumulate_grad_batches while it trains the LightningModule calling this loss
+        trainer = self._lookup.trainer()
+        if trainer is None or not getattr(trainer, "training", False):
+            return 1
+        return getattr(trainer, "accumulate_grad_batches", 1)
 
     def _warn_if_micro_batch_counts(self, k: int, given: tuple[Any, Any]) -> None:
         needed = _COUNT_OF_MODE.get(self.agg)
@@ -242,8 +279,8 @@ class KLPenaltyLoss(nn.Module):
             f"KLPenaltyLoss(agg={self.agg!r}) is accumulating gradients over {k} micro-batches but got no "
             f"`{name}`: each micro-batch divides by its own count, so the accumulated gradient weighs the "
             f"micro-batches equally instead of every {'token' if needed == 0 else 'sequence'} of the optimizer "
-            f"step. Pass the step's totals: `{name}=lk.step_totals(masks)[{name!r}]` (see the README, "
-            "'Running at scale')."
+            f"step. Pass the step's totals: `{name}=lk.step_totals(masks)[{name!r}]` (see the docs, "
+            "'Running at scale', gradient accumulation)."
         )
 
     def _aggregate(self, kl: Tensor, mask: Optional[Tensor], given: tuple[Any, Any] = (None, None), k: int = 1) -> Tensor:
@@ -251,17 +288,19 @@ class KLPenaltyLoss(nn.Module):
         if any(n is not None for n in given):
             counts["num_tokens"], counts["num_seqs"] = given
         world = 1
-        if self.global_batch and torch.distributed.is_available() and torch.distributed.is_initialized():
-            world = torch.distributed.get_world_size()
+        dp = data_parallel_group(self.process_group, self.device_mesh) if self.global_batch else None
+        if dp is not None and dp.size > 1:
+            world = dp.size
             needed = _COUNT_OF_MODE.get(self.agg)
             if needed is not None:
                 local = aggregate_counts(kl, mask).to(torch.float64)
                 if given[needed] is not None:
                     # this process's step total in place of its micro-batch count
                     local[needed] = torch.as_tensor(given[needed], dtype=torch.float64, device=local.device).reshape(())
-                torch.distributed.all_reduce(local, op=torch.distributed.ReduceOp.SUM)
+                dp.all_reduce_sum(local)
                 counts["num_tokens"], counts["num_seqs"] = local[0], local[1]
-        # DDP averages over the processes and Lightning divides by k: both factors are undone here
+        # DDP or FSDP averages over the data parallel replicas and Lightning divides by k: both
+        # factors are undone here
         counts["world_size"] = world * k
         agg = aggregate(kl, mask, self.agg, norm=self.agg_norm, **counts)
         # times exactly 1 when the loss is finite, NaN when not: a NaN at a valid position then

@@ -130,7 +130,7 @@ in RL fine-tuning).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Literal, Optional, Union
 
 import torch
 from torch import Tensor
@@ -140,6 +140,7 @@ from lightning_kl.ground.checks import check_floating
 
 __all__ = [
     "LEVELS",
+    "Level",
     "SEQUENCE_AGG_MODES",
     "check_level",
     "check_sampled_logprob",
@@ -155,6 +156,10 @@ __all__ = [
 
 #: The levels of :func:`lightning_kl.kl_penalty` and :class:`lightning_kl.KLPenaltyLoss`.
 LEVELS: tuple[str, ...] = ("token", "sequence")
+
+#: The type of a ``level`` argument: one of :data:`LEVELS`, listed by LightningCLI's ``--help``; any other
+#: string is refused when the object is built, by a message that lists the valid levels.
+Level = Union[Literal[LEVELS], str]  # type: ignore[valid-type]
 
 #: The aggregation modes that keep ``level="sequence"`` exact (see the module's docstring).
 SEQUENCE_AGG_MODES: tuple[str, ...] = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm")

@@ -42,3 +42,17 @@ def run_ddp_worker(worker: Path, out: Path, *args: str, world: int = 2, timeout:
         records.append(json.loads(path.read_text()))
     assert [r["rank"] for r in records] == list(range(world)) and {r["world_size"] for r in records} == {world}
     return records
+
+
+def write_rank_record(out_dir: str, record: dict[str, Any]) -> None:
+    """In a worker: write this rank's ``rank{r}.json`` and tear the process group down.
+
+    Left to interpreter shutdown, gloo's C++ threads sometimes abort the process ("terminate called
+    without an active exception").
+    """
+    import torch.distributed
+
+    with open(os.path.join(out_dir, f"rank{record['rank']}.json"), "w") as f:
+        json.dump(record, f)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

@@ -99,9 +99,11 @@ def test_accumulated_gradient_is_the_big_batch_gradient_in_every_mode(quiet_trai
 
 def test_without_totals_it_warns_once_and_weighs_micro_batches_equally(quiet_trainer: Any) -> None:
     model = Accumulator(with_totals=False)
-    with pytest.warns(UserWarning, match="accumulating gradients over 4 micro-batches but got no `num_tokens`") as record:
+    with pytest.warns(UserWarning, match="accumulating gradients over 4 micro-batches but got no `num_") as record:
         _fit(model, quiet_trainer)
     assert sum("num_tokens" in str(w.message) for w in record) == 1
+    # and once for each of the two seq-mean modes, which need num_seqs
+    assert sum("got no `num_seqs`" in str(w.message) for w in record) == 2
     # token-mean: the mean over micro-batches of each one's token-mean, not the big batch's
     token_mean = lk.AGG_MODES.index("token-mean")
     assert not torch.allclose(model.grads[0][token_mean], big_batch_grads()[token_mean])

@@ -148,16 +148,37 @@ def test_a_non_finite_kl_leaves_the_coefficient_and_is_raised_at_the_log_step(
     assert callback.controller.value == pytest.approx(coefs[1] * coefs[3] / coefs[2], rel=1e-12)
 
 
-def test_a_score_on_an_empty_sequence_is_raised_at_the_epoch_end(quiet_trainer: Any) -> None:
-    callback = lk.KLRewardCallback("k1")
+def test_a_sequence_dropped_by_zeroing_its_mask_is_a_normal_input(
+    quiet_trainer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the DAPO habit: a truncated response dropped by zeroing its mask, with per-sequence scores.
+    # Its score is dropped with it (never written on padding), it is left out of the KL, counted in
+    # kl/empty_seqs, and nothing is raised (an earlier version raised a ValueError steps later)
+    callback = GuardedCallback("k1", lk.FixedKLController(0.25))
+    callback.monkeypatch = monkeypatch
+    spy, model = Spy(), Rollouts()
 
-    class Empty(pl.Callback):
+    class Drop(pl.Callback):
         def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
-            batch["scores"] = batch["scores"][:, 0].clone()  # per sequence
+            batch["scores"] = batch["scores"][:, 0] + 10.0  # per sequence, nonzero
             batch["mask"][1] = False
+            if batch_idx == 2:
+                batch["mask"][3] = False
 
-    with pytest.raises(ValueError, match="no valid token in `mask` to carry its score"):
-        quiet_trainer(fast_dev_run=1, callbacks=[Empty(), callback]).fit(Rollouts())
+    quiet_trainer(max_epochs=1, callbacks=[Drop(), callback, spy], log_every_n_steps=1).fit(model)
+    assert len(model.seen) == STEPS
+    for step, (seen, logged) in enumerate(zip(model.seen, spy.logged)):
+        mask = seen["mask"]
+        assert torch.equal(seen["rewards"][1], torch.zeros(T, dtype=torch.float64))
+        d = torch.where(mask, seen["logprobs"] - seen["ref_logprobs"], 0.0)
+        kept = [i for i in range(B) if mask[i].any()]
+        assert logged["kl/empty_seqs"] == B - len(kept) == (2 if step == 2 else 1)
+        want_kl = sum(float(d[i][mask[i]].mean()) for i in kept) / len(kept)
+        assert logged["kl/value"] == pytest.approx(want_kl, rel=1e-12)
+        for i in kept:  # -beta * d on valid tokens, the score at the last valid one
+            want = -0.25 * d[i]
+            want[int(torch.nonzero(mask[i])[-1])] += seen["scores"][i]
+            assert_close(seen["rewards"][i], want, rtol=1e-12, atol=1e-14)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

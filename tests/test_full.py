@@ -16,6 +16,9 @@ from torch.utils.data import DataLoader, Dataset
 import lightning_kl as lk
 from lightning_kl.kernels.full import full_kl
 
+# gradients toward the reference are checked here on purpose: its warning is expected
+pytestmark = pytest.mark.filterwarnings("ignore:`ref_[a-z]*` requires grad")
+
 F64 = torch.float64
 
 

@@ -11,10 +11,14 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+import _reference as reference
 import lightning_kl as lk
 from lightning_kl.kernels import fused as _fused
 from lightning_kl.estimators import parse_estimator
 from lightning_kl.functional import kl_penalty_compute
+
+# gradients toward the reference are checked here on purpose: its warning is expected
+pytestmark = pytest.mark.filterwarnings("ignore:`ref_[a-z]*` requires grad")
 
 SAMPLED = getattr(lk, "SAMPLED_ESTIMATORS", lk.ESTIMATORS)
 
@@ -267,6 +271,15 @@ def test_old_logprob_importance_weight_on_the_fused_value(name):
     assert_close(results[0][0], results[1][0], rtol=1e-6, atol=1e-6)
     # (1 - exp(-d)) * g against g - g * exp(-d): float32 rounding apart
     assert_close(results[0][1], results[1][1], rtol=2e-5, atol=1e-5)
+    # and the fused path against float64 maths of the formulas: value w * k(d) with w = pi / pi_old,
+    # gradient w * (k + k') for a differentiable weight (k1: w * (d + 1); k3: w * d) and w * d for
+    # a detached one (k2, k3+); 0 on padding
+    d = logprob.double() - ref.double()
+    w = torch.exp(logprob.double() - old.double())
+    want_grad = w * (d + 1) if name == "k1" else w * d
+    zero = torch.zeros((), dtype=torch.float64)
+    assert_close(results[0][0].double(), torch.where(mask, w * reference.value(name, d), zero), rtol=1e-5, atol=1e-6)
+    assert_close(results[0][1].double(), torch.where(mask, want_grad, zero), rtol=1e-5, atol=1e-5)
 
 
 def test_one_chunk_or_less_takes_the_composition():

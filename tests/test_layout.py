@@ -17,6 +17,7 @@ LAYER_OF = {
     "sequence": 2,
     "logprobs": 2,
     "accumulation": 2,
+    "mixing": 2,
 }  # shells and integrations (the rest): 3
 
 

@@ -21,7 +21,8 @@ def test_metric_is_token_mean_over_updates():
     # (1 + 2 + 3 + 5 + 10 + 20) / 6
     assert_close(metric.compute(), torch.tensor(41.0 / 6))
     metric.reset()
-    assert metric.compute().item() == 0.0  # nothing seen: no KL
+    with pytest.warns(UserWarning, match="called before the ``update`` method"):
+        assert math.isnan(metric.compute().item())  # nothing seen: no data (NaN), not a KL of 0
     metric.update(torch.tensor([4.0]))
     assert_close(metric.compute(), torch.tensor(4.0))
 

@@ -112,6 +112,8 @@ def test_two_callbacks_keep_separate_state(uninterrupted: tuple[Recorder, Path, 
         assert states[cb.state_key]["controller"]["value"] == value
 
 
+# the callbacks are rebuilt on purpose (the checkpoint's state must win): Lightning's reminder is expected
+@pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`")
 def test_resume_reproduces_the_uninterrupted_trajectory(
     uninterrupted: tuple[Recorder, Path, list[lk.KLRewardCallback]], tmp_path: Path
 ) -> None:
@@ -155,6 +157,7 @@ class ResumableModule(RolloutModule):
         return ResumableRollouts(self.current_epoch)
 
 
+@pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`")
 def test_mid_epoch_resume_with_a_resumable_loader_is_exact(tmp_path: Path) -> None:
     recorder = Recorder()
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="{step}", save_top_k=-1, every_n_train_steps=1)

@@ -231,12 +231,12 @@ def test_k3_kl_to_go_has_the_same_mean_and_less_noise(pol, mode):
 def test_kl_to_go_errors():
     lp = torch.zeros(2, 3)
     with pytest.raises(ValueError, match=r"Unknown `kl_to_go` 'k2'\. Valid values: 'k1', 'k3'"):
-        lk.KLPenaltyLoss("k3+", level="sequence", kl_to_go="k2")
+        lk.KLPenaltyLoss("k3+", agg="token-sum", level="sequence", kl_to_go="k2")
     with pytest.raises(ValueError, match=r"`kl_to_go='k3'` does not apply here: level='token'"):
         lk.kl_penalty(lp, lp, "k3+", kl_to_go="k3")
     with pytest.raises(ValueError, match=r"`kl_to_go='k3'` does not apply here: 'full' uses the exact KL"):
-        lk.KLPenaltyLoss("full", level="sequence", kl_to_go="k3")
-    assert "kl_to_go='k3'" in repr(lk.KLPenaltyLoss("k3+", level="sequence", kl_to_go="k3"))
+        lk.KLPenaltyLoss("full", agg="token-sum", level="sequence", kl_to_go="k3")
+    assert "kl_to_go='k3'" in repr(lk.KLPenaltyLoss("k3+", agg="token-sum", level="sequence", kl_to_go="k3"))
 
 
 @pytest.mark.parametrize("name", SAMPLED)
@@ -435,7 +435,7 @@ def test_full_sequence_through_the_loss_and_its_errors(pol):
     with pytest.raises(ValueError, match=r"`sampled_logprob` is for estimator='full' at level='sequence' only"):
         lk.kl_penalty(logits, ref_logits, "full", mask=b.mask, sampled_logprob=b.lp)
     with pytest.raises(ValueError, match=r"`sampled_logprob` is for estimator='full' at level='sequence' only"):
-        lk.KLPenaltyLoss("k3+", level="sequence")(b.lp, b.ref, b.mask, sampled_logprob=b.lp)
+        lk.KLPenaltyLoss("k3+", agg="token-sum", level="sequence")(b.lp, b.ref, b.mask, sampled_logprob=b.lp)
     with pytest.raises(ValueError, match=r"old_logprob"):
         lk.kl_penalty(logits, ref_logits, "full", mask=b.mask, level="sequence", sampled_logprob=b.lp,
                       old_logprob=b.old)
@@ -455,6 +455,22 @@ def test_loss_is_coef_times_aggregate_of_the_functional():
     (g2,) = torch.autograd.grad(want, lp)
     assert_close(loss, want)
     assert_close(g1, g2)
+    # and both against float64 maths of the module's formulas, token by token: per-decision weights
+    # rho_t = min(exp(sum_{u <= t} log w_u), 2) over valid tokens, value rho_t * k3(d_t), gradient
+    # rho_t * d_t (k3+, detached weight) plus the KL-to-go sum_{s > t} rho_s d_s; seq-mean-token-sum
+    want_loss, want_grad, rows = 0.0, torch.zeros(4, 6, dtype=torch.float64), 0
+    for i in range(4):
+        valid = [t for t in range(6) if mask[i, t]]
+        rows += bool(valid)
+        log_rho, rho, dd = 0.0, {}, {}
+        for t in valid:
+            log_rho += float(lp[i, t].detach() - old[i, t])
+            rho[t], dd[t] = min(math.exp(log_rho), 2.0), float(lp[i, t].detach() - ref[i, t])
+            want_loss += rho[t] * (math.exp(-dd[t]) + dd[t] - 1)
+        for t in valid:
+            want_grad[i, t] = rho[t] * dd[t] + sum(rho[s] * dd[s] for s in valid if s > t)
+    assert loss.item() == pytest.approx(0.5 * want_loss / rows, rel=1e-12)
+    assert_close(g1, 0.5 * want_grad / rows, rtol=1e-12, atol=1e-14)
 
 
 # ---------------------------------------------------------------------------------------------

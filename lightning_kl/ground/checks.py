@@ -8,13 +8,19 @@ values (that would synchronize with the device), except where a value check is t
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+import warnings
+from collections.abc import Callable
+from typing import Any, Literal, Optional, Union
 
 import torch
 from torch import Tensor
 
+from lightning_kl.ground.vocab_shards import VocabShard, check_split_alike, local_part
+
 __all__ = [
     "AGG_MODES",
+    "AggMode",
+    "HOST_READ_DEVICES",
     "check_agg_mode",
     "check_count",
     "check_floating",
@@ -22,13 +28,18 @@ __all__ = [
     "check_full_inputs",
     "check_head",
     "check_mask",
+    "check_mask_values",
     "check_matching",
     "check_max_weight",
     "check_sampled_temperature",
+    "check_not_sharded",
     "check_temperature",
     "check_tokens",
+    "check_values",
     "compute_dtype",
+    "host_reads",
     "reject_old_logprob",
+    "warn_if_reference_requires_grad",
 ]
 
 #: The aggregation modes accepted by :func:`lightning_kl.aggregate` (verl's names and semantics).
@@ -39,6 +50,35 @@ AGG_MODES: tuple[str, ...] = (
     "seq-mean-token-mean",
     "seq-mean-token-sum-norm",
 )
+
+#: The type of an ``agg`` argument: one of :data:`AGG_MODES`, listed by LightningCLI's ``--help``; any
+#: other string is refused when the object is built, by a message that lists the valid modes.
+AggMode = Union[Literal[AGG_MODES], str]  # type: ignore[valid-type]
+#: Device types on which the package reads tensor values on the host, where that waits for nothing
+#: (CPU): value checks (token ids in range) then name the bad value, and ``full_kl`` skips masked
+#: rows by an index list. On other devices nothing is read on the host per call: checks run on the
+#: device (``torch._assert_async``; a failed one stops the run with a device-side assertion naming
+#: the rule, not the value) and masked rows are computed and zeroed. Tests set it empty to run the
+#: device form on CPU.
+HOST_READ_DEVICES: frozenset[str] = frozenset({"cpu"})
+
+
+def host_reads(device: torch.device) -> bool:
+    """Whether values on ``device`` may be read on the host per call (:data:`HOST_READ_DEVICES`)."""
+    return device.type in HOST_READ_DEVICES
+
+
+def check_values(bad: Tensor, host_error: Callable[[], Exception], rule: str) -> None:
+    """Fail if any element of the bool tensor ``bad`` is True, without a host read off the CPU.
+
+    On :data:`HOST_READ_DEVICES` raises ``host_error()`` (an error that names the value); elsewhere
+    asserts ``not bad.any()`` on the device with the message ``rule`` (a ``RuntimeError`` on CPU).
+    """
+    if host_reads(bad.device):
+        if bad.any():
+            raise host_error()
+    else:
+        torch._assert_async(~bad.any(), rule)
 
 
 def compute_dtype(*tensors: Tensor) -> torch.dtype:
@@ -52,7 +92,13 @@ def compute_dtype(*tensors: Tensor) -> torch.dtype:
 def check_floating(name: str, x: object) -> Tensor:
     """``x`` if it is a floating point tensor; else ``TypeError`` naming ``name``."""
     if not isinstance(x, Tensor):
-        raise TypeError(f"`{name}` must be a torch.Tensor, got {type(x).__name__}.")
+        hint = ""
+        if isinstance(x, tuple) and hasattr(x, "hidden"):  # an lk.FromHidden, which this layer does not import
+            hint = (
+                " Hidden states and an LM head (`lk.FromHidden`) go to `lk.full_kl_from_hidden(hidden, weight, "
+                "ref_hidden, ref_weight, mask)`, or to `KLPenaltyLoss('full')` as one `lk.FromHidden` per model."
+            )
+        raise TypeError(f"`{name}` must be a torch.Tensor, got {type(x).__name__}.{hint}")
     if not x.is_floating_point():
         raise TypeError(f"`{name}` must be a floating point tensor, got dtype {x.dtype}.")
     return x
@@ -79,7 +125,9 @@ def check_mask(
 
     With ``without`` (e.g. ``"the vocabulary dimension"``) the mask has ``like``'s shape less its
     last dimension, and the error says so and gives the expected shape. A bool mask is used as is;
-    an integer or floating mask is read as ``mask != 0``.
+    an integer or floating mask must hold only 0 and 1 (:func:`check_mask_values`) and is read as
+    ``mask != 0``. A ``like`` with one more dimension than the mask looks like logits ``[..., V]``
+    where log-probs belong: the error says so.
     """
     if mask is None:
         return None
@@ -89,13 +137,68 @@ def check_mask(
     if mask.shape != expected:
         what = f"`{like_name}`" if without is None else f"`{like_name}` without {without}"
         hint = "" if without is None else f" (expected mask {tuple(expected)})"
+        if without is None and like.ndim == mask.ndim + 1 and like.shape[:-1] == mask.shape:
+            hint = (
+                f": `{like_name}` {tuple(like.shape)} looks like logits `[..., V]` where the sampled tokens' "
+                "log-probs `[..., t]` belong; compute those with `lk.token_logprobs(logits, tokens)`, or pass "
+                "the logits of both models to the 'full' estimator (`lk.full_kl`, `KLPenaltyLoss('full')`)"
+            )
         raise ValueError(
             f"`mask` must have the shape of {what}: got mask {tuple(mask.shape)} "
             f"and {like_name} {tuple(like.shape)}{hint}."
         )
     if mask.device != like.device:
         raise ValueError(f"`mask` is on {mask.device} but `{like_name}` is on {like.device}.")
-    return mask if mask.dtype == torch.bool else mask != 0
+    return mask if mask.dtype == torch.bool else check_mask_values(mask)
+
+
+_first_accelerator_mask = [True]  # on an accelerator, only the first non-bool mask is read (see below)
+
+
+def check_mask_values(mask: Tensor) -> Tensor:
+    """A non-bool mask as bool, after checking that it holds only 0 and 1: a mask is not a weight.
+
+    A mask of 0.5, 2 or -1 would otherwise be read as ``mask != 0``, silently. The check reads the
+    mask's values: on the CPU always (no device to wait for); on an accelerator it would make the
+    host wait for the device at every step, so there only the process's first non-bool mask is
+    checked (one host read, once). Bool masks (``lk.hf.response_mask``'s, ``mask.bool()``) skip it
+    and cost nothing.
+
+    Raises:
+        ValueError: naming a bad value and the mask's dtype.
+    """
+    accelerator = mask.device.type != "cpu"
+    if not accelerator or _first_accelerator_mask[0]:
+        bad = (mask != 0) & (mask != 1)
+        if bool(bad.any()):
+            value = mask[bad][0].item()
+            raise ValueError(
+                f"`mask` must hold only 0 and 1 (or be bool), got {value!r} in a {mask.dtype} mask: a mask "
+                "says which tokens count, it is not a weight. Pass `mask.bool()` for a 0/1 mask; to weight "
+                "tokens, multiply the per-token values before `lk.aggregate`."
+            )
+        if accelerator:
+            _first_accelerator_mask[0] = False
+    return mask != 0
+
+
+def warn_if_reference_requires_grad(name: str, reference: object) -> None:
+    """Warn if the reference carries a graph (Python's default filter shows it once per calling line).
+
+    A ``ref_logprob`` that requires grad makes the KL term train the reference, or whatever computed
+    it (forgotten ``torch.no_grad()``, the adapters left on), and keeps its graph in memory. Where that
+    is intended: ``warnings.filterwarnings("ignore", message="`ref_logprob` requires grad")`` (or
+    ``ref_logits``, ``ref_hidden``).
+    """
+    if isinstance(reference, Tensor) and reference.requires_grad:
+        warnings.warn(
+            f"`{name}` requires grad: the KL term would train the reference (or the model that computed it) "
+            f"toward the policy, and keep its graph. Compute `{name}` under `torch.no_grad()` or pass "
+            f"`{name}.detach()`; if the reference is meant to train, silence this with "
+            f"`warnings.filterwarnings('ignore', message='`{name}` requires grad')`.",
+            UserWarning,
+            stacklevel=4,
+        )
 
 
 def check_full_inputs(logits: Any, ref_logits: Any, mask: Optional[Tensor]) -> Optional[Tensor]:
@@ -105,7 +208,10 @@ def check_full_inputs(logits: Any, ref_logits: Any, mask: Optional[Tensor]) -> O
         TypeError: for inputs that are not floating point tensors, or a mask that is not a tensor.
         ValueError: for shapes or devices that do not match (both are named).
     """
+    check_split_alike("logits", logits, "ref_logits", ref_logits)
+    logits, ref_logits = local_part(logits), local_part(ref_logits)  # a vocabulary shard: its local part
     check_matching("logits", logits, "ref_logits", ref_logits)
+    warn_if_reference_requires_grad("ref_logits", ref_logits)
     assert isinstance(logits, Tensor)
     if logits.ndim == 0:
         raise ValueError("'full' takes logits `[..., V]` with a vocabulary dimension, got a scalar.")
@@ -185,13 +291,14 @@ def reject_old_logprob(old_logprob: Any) -> None:
 
 
 def check_tokens(
-    tokens: Any, lead: torch.Size, vocab: int, device: torch.device, like: str, ignore_index: Any
+    tokens: Any, lead: torch.Size, vocab: Optional[int], device: torch.device, like: str, ignore_index: Any
 ) -> tuple[Tensor, Optional[Tensor]]:
     """Check ``tokens`` (integer ids of shape ``lead``) against a vocabulary of ``vocab`` entries.
 
     Returns the flat ``int64`` ids (ignored ones replaced by 0, so that they index safely) and the
-    flat bool mask of ignored tokens (None without ``ignore_index``). Costs one min/max over the ids
-    (a device sync on GPU).
+    flat bool mask of ignored tokens (None without ``ignore_index``). The range check is skipped for
+    ``vocab`` None (a vocabulary split over ranks: the kernel checks that one rank owns each id) and
+    never waits for the device (:func:`check_values`).
 
     Raises:
         TypeError: for ``tokens`` that are not an integer tensor, or a bad ``ignore_index``.
@@ -216,13 +323,32 @@ def check_tokens(
     if ignore_index is not None:
         ignored = ids == ignore_index
         ids = ids.masked_fill(ignored, 0)
-    if ids.numel() > 0:
-        lo, hi = torch.aminmax(ids)
-        if lo.item() < 0 or hi.item() >= vocab:
-            bad = int(ids[(ids < 0) | (ids >= vocab)][0])
-            hint = f" or `ignore_index` ({ignore_index})" if ignore_index is not None else " (set `ignore_index` for label padding such as -100)"
-            raise ValueError(f"token id {bad} is out of range for a vocabulary of V={vocab}: ids must be in [0, {vocab}){hint}.")
+    if vocab is not None and ids.numel() > 0:
+        out = (ids < 0) | (ids >= vocab)
+        hint = f" or `ignore_index` ({ignore_index})" if ignore_index is not None else " (set `ignore_index` for label padding such as -100)"
+        rule = f"token ids must be in [0, {vocab}){hint}"
+        check_values(out, lambda: ValueError(f"token id {int(ids[out][0])} is out of range for a vocabulary of V={vocab}: {rule}."), rule)
     return ids, ignored
+
+
+def check_not_sharded(name: str, x: Tensor) -> None:
+    """Refuse a head parameter that is a DTensor (sharded by FSDP2): ``TypeError`` naming the recipe.
+
+    The head's weight of a module that FSDP2 has resharded is a ``Shard(0)`` DTensor. The
+    recipe is to unshard it through its FSDP module and pass the unsharded weight, leaving the reshard
+    to FSDP after backward; ``weight.full_tensor()`` instead gives the right values and a wrong
+    gradient: it goes back to each rank's shard from that rank's rows only, never reduce-scattered.
+    """
+    placements = getattr(x, "placements", None)
+    if placements is None or not callable(getattr(x, "full_tensor", None)):
+        return
+    raise TypeError(
+        f"`{name}` is a DTensor with placements {tuple(placements)}: a head sharded by FSDP2 (fully_shard). "
+        "Unshard it through the FSDP module that holds it, e.g. `model.lm_head.unshard()` (or the module "
+        "fully_shard wrapped), then pass `model.lm_head.weight`, the unsharded parameter; FSDP reshards it "
+        "and reduce-scatters its gradient after backward. Never pass `weight.full_tensor()`: its gradient "
+        "goes back to each rank's shard from that rank's rows only, and FSDP never reduce-scatters it."
+    )
 
 
 def check_head(hidden: Any, weight: Any, bias: Any, prefix: str = "") -> None:
@@ -231,12 +357,18 @@ def check_head(hidden: Any, weight: Any, bias: Any, prefix: str = "") -> None:
     ``prefix`` names a second head in messages (``"ref_"`` gives ``ref_hidden``...).
 
     Raises:
-        TypeError: for inputs that are not floating point tensors.
+        TypeError: for inputs that are not floating point tensors, or a head sharded by FSDP2 (a
+            DTensor; the message gives the recipe, :func:`check_not_sharded`).
         ValueError: for shapes, dtypes or devices that do not match (all named).
     """
     hn, wn, bn = f"{prefix}hidden", f"{prefix}weight", f"{prefix}bias"
+    if isinstance(weight, VocabShard):  # a column-parallel head: this rank's rows (and bias slice)
+        weight = weight.local
     check_floating(hn, hidden)
     check_floating(wn, weight)
+    check_not_sharded(wn, weight)
+    if bias is not None:
+        check_not_sharded(bn, bias)
     if hidden.ndim == 0:
         raise ValueError(f"`{hn}` must be `[..., d]` with a hidden dimension, got a scalar.")
     if weight.ndim != 2 or weight.shape[1] != hidden.shape[-1] or weight.shape[0] == 0:
@@ -278,6 +410,7 @@ def check_full_hidden_inputs(
     """
     check_head(hidden, weight, bias)
     check_head(ref_hidden, ref_weight, ref_bias, prefix="ref_")
+    warn_if_reference_requires_grad("ref_hidden", ref_hidden)
     lead, vocab = hidden.shape[:-1], weight.shape[0]
     if ref_hidden.shape[:-1] != lead or ref_weight.shape[0] != vocab:
         raise ValueError(

@@ -13,6 +13,18 @@ ops serially, and only the process-wide default (read by threads that start late
 back, once, when the pool starts. A forked child (a DataLoader worker) inherits the pool object but
 not its threads: the pool is keyed by process id and rebuilt in the child. On other devices, and on
 CPU without the pool, the chunks run in order in the calling thread.
+
+**On CUDA (and any device that is not the CPU) there is no pool, by design.** The calling thread
+only queues kernels, which the device runs in stream order while the thread goes on queueing: one
+thread already keeps the device busy, and more would only contend for the launch path. Worse, a
+worker would be wrong there, not just slow: torch's current stream and current device are per
+thread, so a worker would launch its chunks on the default stream of the default device rather
+than on the caller's stream (``torch.cuda.stream(...)``, a side stream of Lightning or of the
+user), racing with the work queued there. So :func:`pool_active` is False for every device but the
+CPU, and :func:`run_chunks` runs the chunks in order in the calling thread, with one state. The
+kernels size their chunks for the device too: on CPU for the cache (a few MiB a chunk), on a GPU to
+fill the device while a chunk's temporaries stay well under its memory (``kernels/*.py`` give the
+numbers; ``benchmarks/gpu.py`` measures the default against a quarter and four times it).
 """
 
 from __future__ import annotations
@@ -43,7 +55,11 @@ _openmp: Optional[bool] = None
 
 
 def pool_active(device: torch.device) -> bool:
-    """Whether chunks on ``device`` run on the thread pool (kernels size their chunks by it)."""
+    """Whether chunks on ``device`` run on the thread pool (kernels size their chunks by it).
+
+    Only on the CPU: never on CUDA or another device (see the module's notes), whatever
+    :data:`CPU_THREAD_POOL` says.
+    """
     return (
         CPU_THREAD_POOL
         and device.type == "cpu"

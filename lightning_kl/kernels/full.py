@@ -49,9 +49,11 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from lightning_kl.ground.checks import check_full_hidden_inputs, check_full_inputs, check_temperature, compute_dtype
+from lightning_kl.ground.checks import check_full_hidden_inputs, check_full_inputs, check_temperature, compute_dtype, host_reads
 from lightning_kl.ground.chunks import pool_active, run_chunks
+from lightning_kl.ground.vocab_shards import VocabShard, is_vocab_parallel
 from lightning_kl.kernels.rows import LinearRows, Rows
+from lightning_kl.kernels.vocab_parallel import vocab_parallel_full_kl, vocab_parallel_full_kl_from_hidden
 
 __all__ = ["full_kl", "full_kl_compute", "full_kl_from_hidden", "full_kl_from_hidden_compute"]
 
@@ -62,14 +64,19 @@ __all__ = ["full_kl", "full_kl_compute", "full_kl_from_hidden", "full_kl_from_hi
 # (lightning_kl.ground.chunks), 2^19 elements (2 MiB per float32 buffer) per chunk and thread. Without
 # the pool (CPU_THREAD_POOL = False there) each chunk is a dozen short *parallel* ops, so chunks are
 # larger. On GPU a chunk only has to be
-# large enough to fill the device: 2^25 elements, 128 MiB per float32 buffer.
+# large enough to fill the device: 2^25 elements, 128 MiB per float32 buffer, a few of them per
+# chunk (well under 1 GiB: small next to any training GPU's memory), and enough work per chunk
+# (220 rows at V = 151,936) that the host queues the next chunk's kernels before the device is
+# done with this one. There is no thread pool on GPU (lightning_kl.ground.chunks says why).
 CPU_CHUNK_ELEMENTS = 2**19
 CPU_SERIAL_CHUNK_ELEMENTS = 2**20  # CPU without the pool: fewer, larger parallel ops
 CUDA_CHUNK_ELEMENTS = 2**25
 
 # From hidden states a chunk's logits are a matmul that reads the whole head: it needs enough rows
 # to be compute bound rather than a re-read of [V, d] per few tokens. 2^23 elements is 55 rows at
-# V = 151,936 (32 MiB per float32 buffer, a few per CPU worker thread).
+# V = 151,936 (32 MiB per float32 buffer, a few per CPU worker thread). On GPU, 2^25 elements are
+# 220 rows: a [220, d] x [d, V] matmul does ~220 flops per byte of a bf16 head, about the ridge
+# point of a current GPU; benchmarks/gpu.py measures 2^23 and 2^27 against it.
 HIDDEN_CPU_CHUNK_ELEMENTS = 2**23
 HIDDEN_CUDA_CHUNK_ELEMENTS = 2**25
 HIDDEN_MIN_CHUNK_ROWS = 16
@@ -91,7 +98,10 @@ def full_kl(
 
     Args:
         logits: ``[..., V]`` policy logits (any layout: non-contiguous slices such as
-            ``logits[:, :-1]`` are read in place, never copied whole).
+            ``logits[:, :-1]`` are read in place, never copied whole). Or logits split over the
+            vocabulary across a tensor parallel group, never gathered (both models split the same
+            way): DTensors with ``Shard(-1)`` or :class:`~lightning_kl.VocabShard` (see
+            :mod:`lightning_kl.kernels.vocab_parallel`).
         ref_logits: ``[..., V]`` reference logits.
         mask: optional ``[...]`` mask, True on valid tokens; 0 value and exactly 0 gradient elsewhere.
         temperature: :math:`T` in ``softmax(logits / T)``, the policy's sampling temperature (> 0).
@@ -131,6 +141,8 @@ def full_kl_compute(
     """:func:`full_kl` on checked inputs (``mask`` bool or None): the dispatch target of every caller."""
     temperature = check_temperature(temperature)
     _check_chunk_size(chunk_size)
+    if is_vocab_parallel(logits) or is_vocab_parallel(ref_logits):  # split over the vocabulary: never gathered
+        return vocab_parallel_full_kl(logits, ref_logits, mask, temperature, chunk_size)
     mask_flat = None if mask is None else mask.reshape(-1)
     return _FullKL.apply(logits, ref_logits, mask_flat, temperature, chunk_size)
 
@@ -155,7 +167,9 @@ def full_kl_from_hidden(
     the policy's hidden states and head; the reference needs none and costs only its matmuls).
 
     Args:
-        hidden: ``[..., d]`` the policy's last hidden states; ``weight`` ``[V, d]`` its LM head.
+        hidden: ``[..., d]`` the policy's last hidden states; ``weight`` ``[V, d]`` its LM head, or a
+            :class:`~lightning_kl.VocabShard` of this rank's rows of a column-parallel head (both
+            heads then split the same way; biases are this rank's slices).
         ref_hidden: ``[..., d']`` the reference's; ``ref_weight`` ``[V, d']`` its head.
         mask: optional ``[...]`` mask, True on valid tokens; 0 value and exactly 0 gradient elsewhere
             (masked tokens are never computed).
@@ -197,6 +211,8 @@ def full_kl_from_hidden_compute(
     """:func:`full_kl_from_hidden` on checked inputs (``mask`` bool or None)."""
     temperature = check_temperature(temperature)
     _check_chunk_size(chunk_size)
+    if isinstance(weight, VocabShard) or isinstance(ref_weight, VocabShard):  # column-parallel heads
+        return vocab_parallel_full_kl_from_hidden(hidden, weight, bias, ref_hidden, ref_weight, ref_bias, mask, temperature, chunk_size)
     mask_flat = None if mask is None else mask.reshape(-1)
     return _FullKLFromHidden.apply(hidden, weight, bias, ref_hidden, ref_weight, ref_bias, mask_flat, temperature, chunk_size)
 
@@ -303,7 +319,7 @@ class _FullKL(torch.autograd.Function):
         rows = saved[0]
         sink_z = _LogitsGrad(logits, mask_flat, rows) if need_z else None
         sink_ref = _LogitsGrad(ref_logits, mask_flat, rows) if need_ref else None
-        _backward(Rows(logits), Rows(ref_logits), sink_z, sink_ref, saved, grad_out, ctx.temperature, ctx.chunk_size, ctx.dtype)
+        _backward(Rows(logits), Rows(ref_logits), mask_flat, sink_z, sink_ref, saved, grad_out, ctx.temperature, ctx.chunk_size, ctx.dtype)
         return (
             None if sink_z is None else sink_z.result()[0],
             None if sink_ref is None else sink_ref.result()[0],
@@ -341,10 +357,14 @@ class _FullKLFromHidden(torch.autograd.Function):
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Optional[Tensor], ...]:
         hidden, weight, bias, ref_hidden, ref_weight, ref_bias, mask_flat, *saved = ctx.saved_tensors
         need = [bool(x) for x in ctx.needs_input_grad[:6]]
+        if mask_flat is not None and not host_reads(hidden.device):
+            # padding is computed too off the CPU: its hidden states (NaN, say) must stay out of dW
+            keep = mask_flat.view(*hidden.shape[:-1], 1)
+            hidden, ref_hidden = hidden.masked_fill(~keep, 0), ref_hidden.masked_fill(~keep, 0)
         src, ref = LinearRows(hidden, weight, bias), LinearRows(ref_hidden, ref_weight, ref_bias)
         sink_z = _HeadGrad(src, *need[:3], ctx.dtype) if any(need[:3]) else None
         sink_ref = _HeadGrad(ref, *need[3:], ctx.dtype) if any(need[3:]) else None
-        _backward(src, ref, sink_z, sink_ref, saved, grad_out, ctx.temperature, ctx.chunk_size, ctx.dtype)
+        _backward(src, ref, mask_flat, sink_z, sink_ref, saved, grad_out, ctx.temperature, ctx.chunk_size, ctx.dtype)
         grads_z = (None, None, None) if sink_z is None else sink_z.result()
         grads_ref = (None, None, None) if sink_ref is None else sink_ref.result()
         return (*grads_z, *grads_ref, None, None, None)
@@ -362,9 +382,11 @@ def _forward(
     n = math.prod(src.lead)
     device = mask_flat.device if mask_flat is not None else (src.flat if src.flat is not None else src.x).device
 
-    # the work list: the valid tokens (padding is never read), None for all of them in order
+    # the work list: the valid tokens (padding is never read), None for all of them in order. Off
+    # the CPU no index list (a host sync): every row is computed, on the safe path, and padding zeroed
+    host = host_reads(device)
     rows: Optional[Tensor] = None
-    if mask_flat is not None:
+    if mask_flat is not None and host:
         rows = mask_flat.nonzero().squeeze(-1)
     elif src.flat is None or ref.flat is None:
         rows = torch.arange(n, device=device)
@@ -375,11 +397,13 @@ def _forward(
     def fast(chunk: tuple[slice, slice | Tensor]) -> None:
         pos, idx = chunk
         logp = _log_probs(src, idx, dtype, temperature)
-        kl[pos] = _chunk_kl(logp, _log_probs(ref, idx, dtype, temperature), safe=False)
+        kl[pos] = _chunk_kl(logp, _log_probs(ref, idx, dtype, temperature), safe=not host)
 
     _for_each(fast, list(_chunks(rows, n_work, chunk_size)), device)
+    if not host and mask_flat is not None:
+        kl.masked_fill_(~mask_flat, 0)
     # rows to redo on the safe path (a -inf policy logit, or NaN logits, which stay NaN)
-    redo = kl.isnan().nonzero().squeeze(-1)
+    redo = kl.isnan().nonzero().squeeze(-1) if host else kl.new_empty(0, dtype=torch.long)
     redo_rows = redo if rows is None else rows[redo]
     for pos, idx in _chunks(redo_rows, redo.numel(), chunk_size):
         logp = _log_probs(src, idx, dtype, temperature)
@@ -392,6 +416,7 @@ def _forward(
 def _backward(
     src: Rows | LinearRows,
     ref: Rows | LinearRows,
+    mask_flat: Optional[Tensor],
     sink_z: Optional[_LogitsGrad | _HeadGrad],
     sink_ref: Optional[_LogitsGrad | _HeadGrad],
     saved: list[Tensor],
@@ -403,6 +428,8 @@ def _backward(
     """Every chunk's logits gradients, handed to the sinks (which turn them into the inputs' gradients)."""
     rows, kl, redo, redo_rows = saved
     device = grad_out.device
+    # without index lists (off the CPU) padding is computed too: its gradients are zeroed per chunk
+    skip = None if host_reads(device) or mask_flat is None else ~mask_flat.unsqueeze(1)
     n_work = kl.numel()
     # d(loss)/d(KL) of each processed token, over T: the common factor of both formulas
     g = grad_out.reshape(-1).to(dtype)
@@ -425,6 +452,9 @@ def _backward(
             out_z,
             out_ref,
         )
+        if skip is not None:  # NaN padding: 0 * NaN
+            gz = None if gz is None else gz.masked_fill_(skip[at], 0)
+            gr = None if gr is None else gr.masked_fill_(skip[at], 0)
         # each chunk writes its own rows: chunks may run concurrently (_for_each)
         if sink_z is not None and out_z is None:
             sink_z.put(idx, gz)
@@ -432,7 +462,8 @@ def _backward(
             sink_ref.put(idx, gr)
 
     # the fast pass over every row, then the safe pass over the rows the forward redid
-    _for_each(lambda c: chunk_grads(c[0], c[1], False), list(_chunks(rows, n_work, chunk_size)), device)
+    safe = not host_reads(device)  # as in the forward
+    _for_each(lambda c: chunk_grads(c[0], c[1], safe), list(_chunks(rows, n_work, chunk_size)), device)
     redone = [(redo[pos], idx) for pos, idx in _chunks(redo_rows, redo.numel(), chunk_size)]
     _for_each(lambda c: chunk_grads(c[0], c[1], True), redone, device)
 

@@ -61,7 +61,8 @@ __all__ = ["CHUNK", "ENABLED", "FUSED_BASES", "fused_kl_value", "use_fused"]
 #: Elements per chunk on CPU: torch's grain (32768), the largest block an elementwise op runs
 #: inline on its calling thread without opening an OpenMP region; its few float32 scratch buffers
 #: (128 KiB each) stay in a core's L2 cache. Other devices take the whole tensor as one chunk (one
-#: kernel launch per step: the in-place work and the saved-nothing backward still apply).
+#: kernel launch per step: the in-place work and the saved-nothing backward still apply); its two or
+#: three float32 scratch buffers are the size of the value (``[b, t]``: 32 MiB each at 8M tokens).
 CHUNK = 1 << 15
 
 #: Set to False to route :func:`lightning_kl.functional.kl_penalty_compute` through the plain

@@ -51,12 +51,19 @@ __all__ = [
 
 # From logits: elements per chunk of rows (rows = elements // V, at least 1). On CPU a chunk's
 # float32 temporaries stay in cache, so only the logits and their gradient go through main memory;
-# on GPU a chunk only has to fill the device.
+# on GPU a chunk only has to fill the device. There the limit is the host: it queues a chunk's
+# eight or so kernels (~10 us each in eager mode) while the device runs the previous chunk, so a
+# chunk must keep the device busy longer than that. 2^25 elements are 220 rows at V = 151,936, one
+# 128 MiB float32 scratch buffer (the only chunk-sized temporary), and ~0.6 GB of memory traffic per
+# chunk: ~0.2 ms at 3 TB/s, against ~0.1 ms of queueing. `benchmarks/gpu.py` measures 2^23 and
+# 2^27 against it (group "chunks").
 CPU_CHUNK_ELEMENTS = 2**19
 CUDA_CHUNK_ELEMENTS = 2**25
 
 # From hidden states: rows per block (the head is read once per block and per pass) and elements
-# per [rows, vocab tile] of logits: 2^22 float32 logits are 16 MiB per CPU worker thread.
+# per [rows, vocab tile] of logits: 2^22 float32 logits are 16 MiB per CPU worker thread. On GPU a
+# tile of 4096 rows x 16384 entries (2^26: 256 MiB in float32, plus its half-precision matmul
+# output) is a matmul large enough to run near the device's peak.
 HIDDEN_BLOCK_ROWS = 4096
 HIDDEN_CPU_TILE_ELEMENTS = 2**22
 HIDDEN_CUDA_TILE_ELEMENTS = 2**26
@@ -141,6 +148,8 @@ class _TokenLogprobs(torch.autograd.Function):
             s = s.masked_fill(ignored.unsqueeze(1), 0)
         lse_t = (lse * temperature).unsqueeze(1)
         grad = torch.empty((n, vocab), dtype=logits.dtype, device=device)
+        # ignored rows whose lse is not finite (NaN or inf logits), zeroed chunk by chunk: no index list
+        junk = None if ignored is None else ignored & ~lse.isfinite()
 
         def work(item: tuple[slice, slice | Tensor], state: dict[str, Tensor]) -> None:
             pos, idx = item
@@ -153,15 +162,12 @@ class _TokenLogprobs(torch.autograd.Function):
                 p.div_(temperature)
             p.exp_().mul_(s[pos].neg())
             p.scatter_add_(1, ids[pos].unsqueeze(1), s[pos])
+            if junk is not None:  # s = 0 there, but 0 * p is NaN where the logits hold NaN or inf
+                p.masked_fill_(junk[pos].unsqueeze(1), 0)
             if grad.dtype != dtype:
                 grad[pos] = p
 
         run_chunks(work, _items(src, n, ctx.chunk_size, device), device, make_state=dict)
-        if ignored is not None:
-            # s = 0 zeroes an ignored row unless its logits hold NaN or inf (then its lse is not
-            # finite and 0 * p is NaN): those rows are zeroed here, once
-            junk = (ignored & ~lse.isfinite()).nonzero().squeeze(1)
-            grad.index_fill_(0, junk, 0)
         return grad.view(logits.shape), None, None, None, None
 
 

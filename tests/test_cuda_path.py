@@ -1,0 +1,128 @@
+"""What the chunked kernels do on a device that is not the CPU, checked without one.
+
+The kernels choose by device type: the CPU gets the thread pool and cache-sized chunks, every other
+device runs its chunks in the calling thread, in chunks sized for device memory. Tensors on the
+``meta`` device (shapes only, no memory) take that non-CPU path; each kernel's hand-over to the one
+chunk runner is intercepted, so the chunks it would run are counted without running them. The
+counts follow from the documented constants: e.g. 2^25 elements per chunk at V = 151,936 are 220
+rows, where the CPU's 2^19 are 3.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import lightning_kl.ground.chunks as chunks
+from lightning_kl.estimators import parse_estimator
+from lightning_kl.kernels import fused
+from lightning_kl.kernels import full as full_kernel
+from lightning_kl.kernels import logprobs as logprobs_kernel
+
+V, N, D = 151_936, 1000, 64
+META, CUDA, CPU = torch.device("meta"), torch.device("cuda"), torch.device("cpu")
+POOLED = torch.get_num_threads() > 1 and chunks._openmp_backend()
+
+
+class Handed(Exception):
+    """Raised by the stand-in runner: the kernel handed its chunks over, and stops there."""
+
+
+@pytest.fixture
+def handed(monkeypatch: pytest.MonkeyPatch) -> list[tuple[list[Any], torch.device]]:
+    """The (items, device) of every hand-over to the chunk runner, in the kernels' modules."""
+    seen: list[tuple[list[Any], torch.device]] = []
+
+    def record(work: Any, items: Any, device: torch.device, make_state: Any = None) -> None:
+        seen.append((list(items), device))
+        raise Handed
+
+    for module in (fused, full_kernel, logprobs_kernel):
+        monkeypatch.setattr(module, "run_chunks", record)
+    monkeypatch.setattr(chunks, "CPU_THREAD_POOL", True)
+    return seen
+
+
+def _rows(item: Any) -> int:
+    pos = item[0]
+    return pos.stop - pos.start
+
+
+@pytest.mark.parametrize("device", [CUDA, META, torch.device("cuda", 1), torch.device("mps")])
+def test_no_thread_pool_off_the_cpu_even_with_the_pool_on(device, monkeypatch):
+    monkeypatch.setattr(chunks, "CPU_THREAD_POOL", True)
+    assert not chunks.pool_active(device)
+    if POOLED:
+        assert chunks.pool_active(CPU)  # the contrast: on this machine the CPU does get the pool
+
+
+def test_off_the_cpu_the_chunks_run_in_order_in_the_calling_thread_with_one_state(monkeypatch):
+    import threading
+
+    monkeypatch.setattr(chunks, "CPU_THREAD_POOL", True)
+    seen, states, threads = [], [], set()
+
+    def work(item: int, state: list[int]) -> None:
+        seen.append(item)
+        threads.add(threading.current_thread().name)
+        assert state is states[0]
+
+    chunks.run_chunks(work, list(range(50)), CUDA, lambda: states.append([]) or states[-1])
+    assert seen == list(range(50)) and len(states) == 1
+    assert threads == {threading.current_thread().name}
+
+
+def test_token_logprobs_chunks_are_sized_for_the_device(handed):
+    ids = torch.zeros(N, dtype=torch.long)
+    with pytest.raises(Handed):
+        logprobs_kernel.token_logprobs_kernel(torch.empty(N, V, device=META), ids.to(META), None, 1.0, None)
+    with pytest.raises(Handed):  # a CPU tensor of that shape without its memory: stride 0
+        logprobs_kernel.token_logprobs_kernel(torch.zeros(()).expand(N, V), ids, None, 1.0, None)
+    (gpu_items, gpu_device), (cpu_items, _) = handed
+    assert gpu_device == META
+    assert [_rows(i) for i in gpu_items] == [220] * 4 + [120]  # 2^25 // V = 220 rows
+    assert _rows(cpu_items[0]) == 3 and len(cpu_items) == 334  # 2^19 // V = 3 rows
+
+
+def test_token_logprobs_from_hidden_tiles_are_sized_for_the_device(handed):
+    ids = torch.zeros(N, dtype=torch.long)
+    with pytest.raises(Handed):
+        logprobs_kernel.token_logprobs_from_hidden_kernel(
+            torch.empty(N, D, device=META), torch.empty(V, D, device=META), None, ids.to(META), None, 1.0, None, None
+        )
+    with pytest.raises(Handed):
+        logprobs_kernel.token_logprobs_from_hidden_kernel(
+            torch.zeros(()).expand(N, D), torch.zeros(()).expand(V, D), None, ids, None, 1.0, None, None
+        )
+    (gpu_tiles, _), (cpu_tiles, _) = handed
+    # one block of 1000 rows; tiles of 2^26 // 1000 = 67,108 entries on GPU, 2^22 // 1000 = 4,194 on CPU
+    assert [c.stop - c.start for _, c in gpu_tiles] == [67108, 67108, V - 2 * 67108]
+    assert cpu_tiles[0][1].stop == 4194 and len(cpu_tiles) == -(-V // 4194)
+
+
+def test_full_kl_chunks_are_sized_for_the_device(handed):
+    with pytest.raises(Handed):
+        full_kernel.full_kl_compute(torch.empty(N, V, device=META), torch.empty(N, V, device=META), None)
+    assert [_rows(i) for i in handed[0][0]] == [220] * 4 + [120]
+    with pytest.raises(Handed):
+        full_kernel.full_kl_from_hidden_compute(
+            torch.empty(N, D, device=META), torch.empty(V, D, device=META), None,
+            torch.empty(N, D, device=META), torch.empty(V, D, device=META), None, None,
+        )
+    assert [_rows(i) for i in handed[1][0]] == [220] * 4 + [120]  # max(16, 2^25 // V)
+
+
+def test_fused_estimators_take_the_whole_tensor_as_one_chunk_off_the_cpu(handed):
+    spec = parse_estimator("k3+")
+    shape = (64, 4096)  # 262,144 tokens: 8 chunks of 32,768 on CPU
+    lp = torch.empty(shape, device=META)
+    assert fused.use_fused(spec, torch.empty(4, device=META))  # even a tiny input: no CPU-side shortcut
+    with pytest.raises(Handed):
+        fused.fused_kl_value(lp, torch.empty(shape, device=META), spec, None, torch.float32)
+    with pytest.raises(Handed):
+        fused.fused_kl_value(torch.zeros(()).expand(shape), torch.zeros(()).expand(shape), spec, None, torch.float32)
+    (gpu_items, _), (cpu_items, _) = handed
+    assert len(gpu_items) == 1 and gpu_items[0][0].shape == shape
+    assert len(cpu_items) > 1 and all(c[0].numel() <= fused.CHUNK for c in cpu_items)

@@ -1,0 +1,124 @@
+"""Log-probs and the full KL read nothing from the device on the host per call, off the CPU.
+
+On CPU a host read cannot stall, so the package reads values there where it helps (named errors,
+skipping padding: ``lightning_kl.ground.checks.HOST_READ_DEVICES``). These tests switch that off, as
+on a GPU, and run forward and backward with every way of reading a tensor's value into Python
+(``item``, ``tolist``, ``__float__``, ``__int__``, ``__bool__``, ``__index__``) and every op whose
+output size depends on the values (``nonzero``, ``argwhere``, ``masked_select``, indexing by a bool
+tensor: a sync on a GPU) refused: the results must equal the host form's, NaN padding included, and a
+bad token id must still fail.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import pytest
+import torch
+from torch import Tensor
+from torch.testing import assert_close
+
+import lightning_kl as lk
+from lightning_kl.ground import checks
+
+READS = ("item", "tolist", "__float__", "__int__", "__bool__", "__index__")
+SIZED_BY_VALUES = ("nonzero", "argwhere", "masked_select")
+B, T, V, D = 3, 6, 37, 5
+
+
+@contextlib.contextmanager
+def device_form(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    def refuse(name: str) -> Any:
+        def read(self: Tensor, *args: Any, **kwargs: Any) -> Any:
+            raise AssertionError(f"Tensor.{name} called: a host read")
+
+        return read
+
+    getitem = Tensor.__getitem__
+
+    def index(self: Tensor, key: Any) -> Any:
+        keys = key if isinstance(key, tuple) else (key,)
+        if any(isinstance(k, Tensor) and k.dtype == torch.bool for k in keys):
+            raise AssertionError("indexing by a bool tensor: a host sync")
+        return getitem(self, key)
+
+    with monkeypatch.context() as m:
+        m.setattr(checks, "HOST_READ_DEVICES", frozenset())
+        for name in READS + SIZED_BY_VALUES:
+            m.setattr(Tensor, name, refuse(name))
+        for name in SIZED_BY_VALUES:
+            m.setattr(torch, name, refuse(name))
+        m.setattr(Tensor, "__getitem__", index)
+        yield
+
+
+def _inputs() -> dict[str, Tensor]:
+    g = torch.Generator().manual_seed(3)
+    mask = torch.arange(T).expand(B, T) < torch.tensor([[6], [2], [0]])
+    z = torch.randn(B, T, V, generator=g, dtype=torch.float64)
+    z = torch.where(mask.unsqueeze(-1), z, float("nan"))  # NaN padding
+    z[0, 1, 4] = float("-inf")  # p = 0 there: the safe path
+    tokens = torch.randint(0, V, (B, T), generator=g).masked_fill(~mask, -100)
+    hidden = torch.randn(B, T, D, generator=g, dtype=torch.float64)
+    return {
+        "z": z,
+        "zr": torch.randn(B, T, V, generator=g, dtype=torch.float64),
+        "mask": mask,
+        "tokens": tokens,
+        "hidden": torch.where(mask.unsqueeze(-1), hidden, float("nan")),
+        "ref_hidden": torch.randn(B, T, D, generator=g, dtype=torch.float64),
+        "w": torch.randn(V, D, generator=g, dtype=torch.float64),
+        "w_ref": torch.randn(V, D, generator=g, dtype=torch.float64),
+        "weights": torch.randn(B, T, generator=g, dtype=torch.float64),
+    }
+
+
+# each case: (leaves that get gradients, function of them) -> per-token values
+CASES: dict[str, tuple[tuple[str, ...], Callable[..., Tensor]]] = {
+    "token_logprobs": (("z",), lambda x, z: lk.token_logprobs(z, x["tokens"], ignore_index=-100, chunk_size=4)),
+    "token_logprobs_T": (("z",), lambda x, z: lk.token_logprobs(z[:, :-1], x["tokens"][:, :-1], 0.7, ignore_index=-100)),
+    "token_logprobs_from_hidden": (
+        ("hidden", "w"),
+        lambda x, h, w: lk.token_logprobs_from_hidden(h, w, x["tokens"], ignore_index=-100, chunk_size=4),
+    ),
+    "full_kl": (("z", "zr"), lambda x, z, zr: lk.full_kl(z, zr, x["mask"], temperature=1.3, chunk_size=4)),
+    "full_kl_sliced": (("z", "zr"), lambda x, z, zr: lk.full_kl(z[:, 1:], zr[:, 1:], x["mask"][:, 1:])),
+    "full_kl_from_hidden": (
+        ("hidden", "w", "ref_hidden"),
+        lambda x, h, w, hr: lk.full_kl_from_hidden(h, w, hr, x["w_ref"], x["mask"], chunk_size=4),
+    ),
+    "kl_penalty_full": (("z", "zr"), lambda x, z, zr: lk.kl_penalty(z, zr, "full", mask=x["mask"])),
+}
+
+
+def _run(name: str) -> tuple[Tensor, list[Tensor]]:
+    x = _inputs()
+    names, fn = CASES[name]
+    leaves = [x[n].clone().requires_grad_() for n in names]
+    out = fn(x, *leaves)
+    (out * x["weights"][tuple(slice(0, s) for s in out.shape)]).nansum().backward()
+    return out.detach(), [leaf.grad for leaf in leaves]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_device_form_reads_nothing_and_equals_the_host_form(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    want, want_grads = _run(name)
+    with device_form(monkeypatch):
+        got, grads = _run(name)
+    assert_close(got, want, rtol=0, atol=1e-12, equal_nan=True)
+    for g, w in zip(grads, want_grads):
+        assert bool(g.isfinite().all())  # NaN padding stays out of every gradient
+        assert_close(g, w, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("from_hidden", [False, True])
+def test_device_form_still_refuses_an_out_of_range_id(monkeypatch: pytest.MonkeyPatch, from_hidden: bool) -> None:
+    x = _inputs()
+    tokens = x["tokens"].clamp(min=0)
+    tokens[1, 0] = V
+    with device_form(monkeypatch), pytest.raises(RuntimeError, match=rf"token ids must be in \[0, {V}\)"):
+        if from_hidden:
+            lk.token_logprobs_from_hidden(x["hidden"], x["w"], tokens)
+        else:
+            lk.token_logprobs(x["z"], tokens)
