@@ -208,3 +208,29 @@ def test_toy_kl_old_logprob_switches_the_importance_weights(weights):
     module.kl_term(logprob, ref, mask, logprob.detach(), None, None).backward()
     d = (logprob - ref).detach()
     torch.testing.assert_close(logprob.grad, 0.25 * (d if weights else 1 - torch.exp(-d)))
+
+
+def test_hf_sweep_runs_the_loss_and_the_reward(tmp_path):
+    # hf_grpo.py through the same machinery: its metrics' names, its KL off in the loss for a reward choice
+    path = _sweep_yaml(
+        tmp_path, example="hf", base_config=str(EXAMPLES / "configs" / "hf_grpo_lora.yaml"), coefs=[0.2],
+        overrides={
+            "trainer": {"enable_progress_bar": False, "enable_model_summary": False},
+            "model": {"hidden_size": 16, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1, "intermediate_size": 32,
+                      "pretrain_steps": 2, "pretrain_batch_size": 8, "lora_r": 2, "lora_alpha": 4,
+                      "cache_dir": str(tmp_path / "reference")},
+            "data": {"max_operand": 2, "prompts_per_rollout": 2, "group_size": 2, "rollouts": 2, "reference_samples": 8},
+        },
+    )
+    sweep = frontier.main(["--config", str(path)])
+    rows = _rows(sweep)
+    assert [(r["choice"], r["status"], int(float(r["steps"]))) for r in rows] == [
+        ("k3+ sequence", "ok", 2), ("k1 in the reward", "ok", 2)]
+    for r in rows:
+        assert 0.0 <= float(r["reward"]) <= 1.0 and float(r["kl_response"]) >= 0.0 and 0.0 <= float(r["ref_reward"]) <= 1.0
+    reward_log = frontier._runs.read_metrics(sweep.out / "runs" / "k1_in_the_reward" / "coef0.2-seed0" / "metrics.csv")
+    assert [v for _, v in reward_log["kl/coef"]] == pytest.approx([0.2, 0.2])
+    # and the loss's coefficient: the sweep's on the loss run, 0 on the reward run (the KL is only measured)
+    for slug, coef in [("k3plus_sequence", 0.2), ("k1_in_the_reward", 0.0)]:
+        hparams = yaml.safe_load((sweep.out / "runs" / slug / "coef0.2-seed0" / "hparams.yaml").read_text())
+        assert hparams["kl_coef"] == coef
