@@ -370,6 +370,9 @@ class ToyRLHF(pl.LightningModule):
         ppo_epochs, minibatches: optimizer steps per rollout = ``ppo_epochs * minibatches``.
         clip_eps: PPO's ratio clip (only bites after the first optimizer step on a rollout).
         max_grad_norm: gradient clipping.
+        kl_old_logprob: pass the sampler's log-probs to the KL loss as ``old_logprob`` (importance
+            weights: every sampled estimator's expected gradient is then exact, ``k1`` and ``k3``
+            included); False: the plain estimator, as frameworks without the weights use it.
     """
 
     def __init__(
@@ -393,6 +396,7 @@ class ToyRLHF(pl.LightningModule):
         minibatches: int = 1,
         clip_eps: float = 0.2,
         max_grad_norm: float = 1.0,
+        kl_old_logprob: bool = True,
     ) -> None:
         super().__init__()
         if advantage not in ("grpo", "rtg"):
@@ -489,7 +493,7 @@ class ToyRLHF(pl.LightningModule):
             # at the sequence level, the sampled tokens' log-probs carry the KL-to-go term
             sampled = logprobs if self.kl.level == "sequence" else None
             return self.kl(logits, ref_logits, mask, sampled_logprob=sampled)
-        return self.kl(logprobs, ref_logprobs, mask, old_logprob=old_logprobs)
+        return self.kl(logprobs, ref_logprobs, mask, old_logprob=old_logprobs if self.hparams.kl_old_logprob else None)
 
     def advantages(self, batch: dict[str, Tensor]) -> Tensor:
         mask = batch["mask"]
