@@ -16,7 +16,11 @@ import pytest
 import torch
 import yaml
 
-pytestmark = pytest.mark.filterwarnings("ignore:Your `IterableDataset` has `__len__` defined")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:Your `IterableDataset` has `__len__` defined"),
+    # a stopped run is run again in its own folder, over what it had logged (the resume test does it)
+    pytest.mark.filterwarnings("ignore:Experiment logs directory .* exists and is not empty"),
+]
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"

@@ -21,6 +21,9 @@ from torch import Tensor
 from torch.testing import assert_close
 
 import lightning_kl as lk
+
+# the reference side is differentiated on purpose here: its gradient is checked too
+pytestmark = pytest.mark.filterwarnings("ignore:`ref_[a-z]*` requires grad")
 from lightning_kl.ground import checks
 
 READS = ("item", "tolist", "__float__", "__int__", "__bool__", "__index__")

@@ -16,6 +16,9 @@ import torch
 from torch.testing import assert_close
 
 import lightning_kl as lk
+
+# the reference side is differentiated on purpose here: its gradient is checked too
+pytestmark = pytest.mark.filterwarnings("ignore:`ref_[a-z]*` requires grad")
 from lightning_kl.kernels.processing import Processing, process_scores
 
 transformers = pytest.importorskip("transformers")
