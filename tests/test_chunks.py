@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+from queue import Empty
 import threading
 import time
 
@@ -89,10 +90,12 @@ def test_a_kernel_called_inside_a_worker_runs_serially_there(monkeypatch):
     assert inner == [True] * 12
 
 
-def _fused_in_child(queue) -> None:  # pragma: no cover - runs in a forked child
-    x = torch.linspace(-3, 3, 5 * fused.CHUNK)
-    out = fused.fused_kl_value(x, torch.zeros_like(x), parse_estimator("k3"), None, torch.float32)
-    queue.put(float((out - (torch.expm1(-x) + x)).abs().max()))
+def _fused_in_child(queue, x, zeros) -> None:  # pragma: no cover - runs in a forked child
+    # only the fused kernel runs here: its chunks are single-threaded ops on the pool's threads. The
+    # inputs are made and the result checked in the parent, since torch's own intra-op (OpenMP) pool
+    # does not survive a fork once the parent has used it (a whole-tensor op here could hang)
+    out = fused.fused_kl_value(x, zeros, parse_estimator("k3"), None, torch.float32)
+    queue.put(out.numpy().tobytes())
 
 
 @pytest.mark.skipif(not POOLED or "fork" not in multiprocessing.get_all_start_methods(), reason="needs fork")
@@ -102,8 +105,15 @@ def test_a_forked_child_builds_its_own_pool(monkeypatch):
     chunks.run_chunks(lambda _i, _s: None, list(range(8)), CPU)  # the parent's pool exists
     ctx = multiprocessing.get_context("fork")
     queue = ctx.Queue()
-    child = ctx.Process(target=_fused_in_child, args=(queue,))
+    x = torch.linspace(-3, 3, 5 * fused.CHUNK)
+    child = ctx.Process(target=_fused_in_child, args=(queue, x, torch.zeros_like(x)))
     child.start()
+    try:
+        got = queue.get(timeout=60)  # before join: a large item is flushed only once it is read
+    except Empty:
+        child.kill()
+        pytest.fail("the forked child hung on the inherited pool")
     child.join(timeout=60)
     assert child.exitcode == 0, "the forked child hung or failed on the inherited pool"
-    assert queue.get(timeout=5) < 1e-5
+    out = torch.frombuffer(bytearray(got), dtype=torch.float32)
+    assert (out - (torch.expm1(-x) + x)).abs().max() < 1e-5
