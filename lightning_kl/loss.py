@@ -216,7 +216,9 @@ class KLPenaltyLoss(nn.Module):
         divides back out, so that the accumulated gradient is that of one batch holding the ``k``
         micro-batches, in every ``agg`` mode. With ``global_batch=True`` the totals are this
         process's and are summed over processes (as the micro-batch counts are otherwise). With
-        ``k > 1`` and no total for a mode that divides by one, a warning is given once.
+        ``k > 1`` and no total for a mode that divides by one, a warning is given once, and that mode's
+        loss is not multiplied by ``k``: the accumulated gradient is then the average of the
+        micro-batches' own (each divided by its own count), as without this library.
 
         ``accumulate_grad_batches`` defaults to the Trainer's while a Trainer trains the
         ``LightningModule`` whose ``training_step`` (or a method it calls) calls this loss: found once
@@ -277,9 +279,9 @@ class KLPenaltyLoss(nn.Module):
         name = ("num_tokens", "num_seqs")[needed]
         rank_zero_warn(
             f"KLPenaltyLoss(agg={self.agg!r}) is accumulating gradients over {k} micro-batches but got no "
-            f"`{name}`: each micro-batch divides by its own count, so the accumulated gradient weighs the "
-            f"micro-batches equally instead of every {'token' if needed == 0 else 'sequence'} of the optimizer "
-            f"step. Pass the step's totals: `{name}=lk.step_totals(masks)[{name!r}]` (see the docs, "
+            f"`{name}`: each micro-batch divides by its own count, so the accumulated gradient (the average of "
+            f"the micro-batches' values) weighs the micro-batches equally instead of every "
+            f"{'token' if needed == 0 else 'sequence'} of the optimizer step. Pass the step's totals: `{name}=lk.step_totals(masks)[{name!r}]` (see the docs, "
             "'Running at scale', gradient accumulation)."
         )
 
@@ -300,8 +302,11 @@ class KLPenaltyLoss(nn.Module):
                 dp.all_reduce_sum(local)
                 counts["num_tokens"], counts["num_seqs"] = local[0], local[1]
         # DDP or FSDP averages over the data parallel replicas and Lightning divides by k: both
-        # factors are undone here
-        counts["world_size"] = world * k
+        # factors are undone here. Not k for a mode that divides by a count it was not given: each
+        # micro-batch then divides by its own count, and Lightning's average of the k micro-batch
+        # values is the nearest to the step's value (times k it would be k times too large)
+        needed = _COUNT_OF_MODE.get(self.agg)
+        counts["world_size"] = world * (1 if needed is not None and given[needed] is None else k)
         agg = aggregate(kl, mask, self.agg, norm=self.agg_norm, **counts)
         # times exactly 1 when the loss is finite, NaN when not: a NaN at a valid position then
         # also turns every gradient to NaN, where anomaly detection sees it, even for estimators

@@ -78,6 +78,35 @@ def test_forgetting_the_recipe_under_accumulation_is_warned_once_per_mode(quiet_
         lk.KLPenaltyLoss("k3+")(torch.zeros(2, 3), torch.ones(2, 3))
 
 
+def test_without_the_totals_the_gradient_is_lightnings_average_of_the_micro_batches(quiet_trainer: Any) -> None:
+    # float64 from the formula: k3's gradient w.r.t. logprob is 1 - exp(-d), d = logprob - ref_logprob.
+    # Without the step's totals a mode that divides by a count can only divide each micro-batch by its
+    # own: the accumulated gradient is then the average over the K micro-batches (Lightning divides by
+    # K), not K times it. token-sum and seq-mean-token-sum-norm need no count: the big batch's, exactly.
+    from test_accumulation import LENGTHS, MICRO_ROWS, step_data
+
+    model = _NoK(with_totals=False)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="KLPenaltyLoss")
+        quiet_trainer(max_epochs=1, accumulate_grad_batches=K).fit(model)
+    data = step_data()
+    mask = data["mask"]
+    g = torch.where(mask, 1 - torch.exp(-(data["logprob"] - data["ref_logprob"])), 0.0) * 0.5  # coef 0.5
+    lengths = torch.tensor(LENGTHS, dtype=F64).unsqueeze(-1)
+    want = {mode: torch.zeros_like(g) for mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")}
+    for rows in MICRO_ROWS:
+        r = list(rows)
+        n_tok = mask[r].sum()
+        n_seq = (lengths[r] > 0).sum()
+        want["token-mean"][r] = g[r] / n_tok / K
+        want["seq-mean-token-sum"][r] = g[r] / n_seq / K
+        want["seq-mean-token-mean"][r] = g[r] / lengths[r].clamp(min=1) / n_seq / K
+    big = dict(zip(lk.AGG_MODES, big_batch_grads()))
+    want["token-sum"], want["seq-mean-token-sum-norm"] = big["token-sum"], big["seq-mean-token-sum-norm"]
+    for mode, got in zip(lk.AGG_MODES, model.grads[0]):
+        assert_close(got, want[mode], rtol=0, atol=1e-12, msg=lambda m, mode=mode: f"{mode}: {m}")
+
+
 # ---------------------------------------------------------------------------------------------
 # masks are not weights
 
