@@ -178,3 +178,36 @@ def test_device_form_still_refuses_an_out_of_range_id(monkeypatch: pytest.Monkey
             lk.token_logprobs_from_hidden(x["hidden"], x["w"], tokens)
         else:
             lk.token_logprobs(x["z"], tokens)
+
+
+@pytest.mark.parametrize("key", ["zt", "hidden"])
+def test_the_processed_cases_have_ties_split_by_top_p(key: str) -> None:
+    """Without rows whose kept set splits tied scores, the backward's re-run would go untested."""
+    from lightning_kl.kernels.processing import check_processing, process_scores
+
+    x = _inputs()
+    z = x["zt"] if key == "zt" else x["hidden"] @ x["w_tied"].T
+    z = z[x["mask"]] / PROC["temperature"]
+    kept = process_scores(z, check_processing(**PROC))
+    smallest_kept = torch.where(kept == float("-inf"), float("inf"), z).amin(-1, keepdim=True)
+    split = ((z == smallest_kept) & (kept == float("-inf"))).any(-1)
+    assert 0 < int(split.sum()) < z.shape[0]  # tied rows split, and rows masked by their threshold
+
+
+def test_device_form_still_refuses_a_token_outside_the_kept_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    z = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    with device_form(monkeypatch), pytest.raises(RuntimeError, match="sampled tokens must lie in the kept set"):
+        lk.processed_logprobs(z, torch.tensor([2]), top_k=2)
+    with device_form(monkeypatch):  # a token inside it passes
+        lp = lk.processed_logprobs(z, torch.tensor([1]), top_k=2).logprobs
+    assert_close(lp, -torch.tensor([1.0]).exp().log1p())  # log(e / (e^2 + e))
+
+
+def test_device_form_still_refuses_the_gradient_of_an_infinite_kl(monkeypatch: pytest.MonkeyPatch) -> None:
+    z = torch.tensor([[2.0, 1.0, 0.0]], requires_grad=True)
+    ref = torch.tensor([[0.0, 1.0, 2.0]])
+    with device_form(monkeypatch):
+        kl = lk.processed_full_kl(z, ref, top_k=2, reference="processed")  # token 0 kept, removed by the reference
+        with pytest.raises(RuntimeError, match=r"processed distribution is \+inf"):
+            kl.sum().backward()
+    assert torch.isinf(kl.detach()).all()  # the value says so
