@@ -126,7 +126,8 @@ class _ProcessedFullKL(torch.autograd.Function):
             lambda: ValueError(f"the KL against the reference's own processed distribution is +inf at {int(infinite.sum())} token(s) {why}."),
             f"the KL against the reference's own processed distribution is +inf {why}",
         )
-        skip = None if mask_flat is None else ~mask_flat  # off the CPU masked rows are computed: zeroed
+        # off the CPU masked rows are computed too (NaN padding, say): their gradients are zeroed
+        skip = None if mask_flat is None or host_reads(logits.device) else ~mask_flat
         src, ref = Rows(logits), Rows(ref_logits)
         n, vocab, device, dtype = kl.numel(), logits.shape[-1], logits.device, kl.dtype
         scale = g_out / proc.temperature
