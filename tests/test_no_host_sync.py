@@ -1,4 +1,4 @@
-"""Log-probs and the full KL read nothing from the device on the host per call, off the CPU.
+"""Log-probs, the full KL and the processed sampling functions read nothing from the device on the host per call, off the CPU.
 
 On CPU a host read cannot stall, so the package reads values there where it helps (named errors,
 skipping padding: ``lightning_kl.ground.checks.HOST_READ_DEVICES``). These tests switch that off, as
