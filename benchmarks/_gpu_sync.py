@@ -167,7 +167,8 @@ def _processed_call(device: torch.device, which: str) -> Callable[[], Any]:
     ref = torch.randn(4, 8, 50, device=device)
     proc = {"temperature": 0.9, "top_k": 20, "top_p": 0.9}
     if which == "full":
-        return lambda: lk.processed_full_kl(z, ref, **proc).sum().backward()
+        mask = torch.arange(8, device=device) < torch.tensor([[8], [5], [1], [0]], device=device)
+        return lambda: lk.processed_full_kl(z, ref, mask, **proc).sum().backward()
     # tokens drawn inside every row's kept set: the most likely token is always kept
     y = z.detach().argmax(-1)
     if which == "hidden":
@@ -337,9 +338,6 @@ def _hf_call(device: torch.device, which: str) -> Callable[[], Any]:
 
 _IDS = "the id range check reads the ids' min and max on the host (ground/checks.py: check_tokens)"
 _FULL = "the full KL lists valid rows and NaN rows with nonzero() (kernels/full.py)"
-_PROCESSED = ("reads on the host on every device today, not yet in the device form: the check for sampled tokens outside the "
-              "kept set (sampling.py), the rows to re-run at tied boundaries in backward (kernels/processing.py), the "
-              "valid rows by nonzero() (kernels/processed_full.py)")
 _H2D = "copies a Python number or list to the device (torch.tensor / torch.as_tensor on CUDA waits for the copy)"
 
 #: Every call checked under sync-debug: (name, public names covered, inputs, why it syncs today).
@@ -355,9 +353,9 @@ SYNC_CALLS: list[SyncCall] = [
     SyncCall("token_logprobs", ("token_logprobs",), lambda d: _logprobs_call(d, False), syncs=_IDS),
     SyncCall("token_logprobs ignore_index=-100", ("token_logprobs",), lambda d: _logprobs_call(d, True), syncs=_IDS + "; backward zeroes non-finite ignored rows with nonzero() (kernels/logprobs.py)"),
     SyncCall("token_logprobs_from_hidden", ("token_logprobs_from_hidden",), _hidden_call, syncs=_IDS),
-    SyncCall("processed_logprobs T=0.9 top_k=20 top_p=0.9", ("processed_logprobs", "SampledLogprobs", "OUTSIDE_MODES"), lambda d: _processed_call(d, "logits"), syncs=_PROCESSED, kind="design"),
-    SyncCall("processed_logprobs_from_hidden", ("processed_logprobs_from_hidden",), lambda d: _processed_call(d, "hidden"), syncs=_PROCESSED, kind="design"),
-    SyncCall("processed_full_kl", ("processed_full_kl", "REFERENCES"), lambda d: _processed_call(d, "full"), syncs=_PROCESSED, kind="design"),
+    SyncCall("processed_logprobs T=0.9 top_k=20 top_p=0.9", ("processed_logprobs", "SampledLogprobs", "OUTSIDE_MODES"), lambda d: _processed_call(d, "logits")),
+    SyncCall("processed_logprobs_from_hidden", ("processed_logprobs_from_hidden",), lambda d: _processed_call(d, "hidden")),
+    SyncCall("processed_full_kl", ("processed_full_kl", "REFERENCES"), lambda d: _processed_call(d, "full")),
     SyncCall("full_kl (mask)", ("full_kl",), lambda d: _full_call(d, True), syncs=_FULL),
     SyncCall("full_kl (no mask)", ("full_kl",), lambda d: _full_call(d, False), syncs=_FULL),
     SyncCall("full_kl_from_hidden", ("full_kl_from_hidden",), _full_hidden_call, syncs=_FULL),

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from lightning_kl.ground.checks import check_floating, check_full_inputs, check_head, check_matching, check_tokens
+from lightning_kl.ground.checks import check_floating, check_full_inputs, check_head, check_matching, check_tokens, check_values
 from lightning_kl.kernels.logprobs import token_logprobs_from_hidden_kernel, token_logprobs_kernel
 from lightning_kl.kernels.processed_full import REFERENCES, processed_full_kl_kernel
 from lightning_kl.kernels.processing import Processing, check_processing, processed_logprobs_kernel
@@ -58,15 +58,22 @@ def _check_outside(outside: Any) -> str:
 
 
 def _report_outside(outside: Tensor, tokens: Tensor, proc: Processing) -> None:
-    if not bool(outside.any()):
-        return
-    where = outside.nonzero()[0].tolist()
-    raise ValueError(
-        f"{int(outside.sum())} sampled token(s) lie outside the kept set of the processing {proc._asdict()}, "
-        f"the first at position {tuple(where)} (id {int(tokens[tuple(where)])}): the sampler and the scorer "
-        "disagree (another processing, e.g. generate's default top_k=50, or other logits). Pass the "
-        "sampler's exact processing, or outside='-inf' to score them as log 0 = -inf."
+    """Fail on a sampled token outside the kept set; no host read off the CPU (:func:`check_values`)."""
+
+    def named() -> ValueError:
+        where = outside.nonzero()[0].tolist()
+        return ValueError(
+            f"{int(outside.sum())} sampled token(s) lie outside the kept set of the processing {proc._asdict()}, "
+            f"the first at position {tuple(where)} (id {int(tokens[tuple(where)])}): the sampler and the scorer "
+            "disagree (another processing, e.g. generate's default top_k=50, or other logits). Pass the "
+            "sampler's exact processing, or outside='-inf' to score them as log 0 = -inf."
+        )
+
+    rule = (
+        f"sampled tokens must lie in the kept set of the processing {proc._asdict()} (the sampler's exact "
+        "processing, or outside='-inf' to score them as log 0 = -inf)"
     )
+    check_values(outside, named, rule)
 
 
 def processed_logprobs(
@@ -116,7 +123,8 @@ def processed_logprobs(
         TypeError: for logits that are not floating point, or tokens that are not integers.
         ValueError: for a processing value out of range (named, with the valid range), shapes that do
             not match, an id out of range, a bad ``outside``, or (``outside="raise"``) a token outside
-            the kept set (its count, first position and id named; the check costs one device sync).
+            the kept set (its count, first position and id named, on the CPU; elsewhere a device-side
+            assertion, a ``RuntimeError`` naming the rule, without a host sync).
 
     Example:
         >>> logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]], requires_grad=True)
@@ -227,7 +235,7 @@ def processed_full_kl(
       the policy keeps a token the reference removes; a backward through such a token raises.
 
     Gradients are exact w.r.t. both logits (the kept sets are selections). Chunked like
-    :func:`lightning_kl.full_kl`; masked tokens are never read.
+    :func:`lightning_kl.full_kl`; masked tokens get value 0 and gradient exactly 0.
 
     Args:
         logits: ``[..., V]`` policy logits; ``ref_logits`` ``[..., V]`` the reference's.

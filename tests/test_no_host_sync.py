@@ -1,4 +1,4 @@
-"""Log-probs and the full KL read nothing from the device on the host per call, off the CPU.
+"""Log-probs, the full KL and the processed sampling functions read nothing from the device on the host per call, off the CPU.
 
 On CPU a host read cannot stall, so the package reads values there where it helps (named errors,
 skipping padding: ``lightning_kl.ground.checks.HOST_READ_DEVICES``). These tests switch that off, as
@@ -73,6 +73,10 @@ def _inputs() -> dict[str, Tensor]:
     z[0, 1, 4] = float("-inf")  # p = 0 there: the safe path
     tokens = torch.randint(0, V, (B, T), generator=g).masked_fill(~mask, -100)
     hidden = torch.randn(B, T, D, generator=g, dtype=torch.float64)
+    # tied scores (a grid of halves), which top-p's sort splits at its boundary: the backward's re-run
+    zt = torch.where(mask.unsqueeze(-1), (z.nan_to_num(0, 0, 0) * 2).round() / 2, float("nan"))
+    w_tied = torch.randn(V, D, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    w_tied[1::2] = w_tied[0:-1:2]  # logits from hidden states tied in pairs
     return {
         "z": z,
         "zr": torch.randn(B, T, V, generator=g, dtype=torch.float64),
@@ -83,7 +87,16 @@ def _inputs() -> dict[str, Tensor]:
         "w": torch.randn(V, D, generator=g, dtype=torch.float64),
         "w_ref": torch.randn(V, D, generator=g, dtype=torch.float64),
         "weights": torch.randn(B, T, generator=g, dtype=torch.float64),
+        "zt": zt,
+        "zt_top": zt.nan_to_num(0).argmax(-1).masked_fill(~mask, -100),  # in every kept set
+        "zt_ref": zt.nan_to_num(0) / 2,  # flatter, the same order: keeps a superset, "processed" stays finite
+        "w_tied": w_tied,
+        "h_top": (hidden.nan_to_num(0) @ w_tied.T).argmax(-1).masked_fill(~mask, -100),
     }
+
+
+# the sampler's processing of the processed cases: top-p splits the ties of "zt" (checked below)
+PROC = {"temperature": 0.9, "top_k": 20, "top_p": 0.6}
 
 
 # each case: (leaves that get gradients, function of them) -> per-token values
@@ -101,6 +114,37 @@ CASES: dict[str, tuple[tuple[str, ...], Callable[..., Tensor]]] = {
         lambda x, h, w, hr: lk.full_kl_from_hidden(h, w, hr, x["w_ref"], x["mask"], chunk_size=4),
     ),
     "kl_penalty_full": (("z", "zr"), lambda x, z, zr: lk.kl_penalty(z, zr, "full", mask=x["mask"])),
+    "processed_logprobs": (
+        ("zt",),
+        lambda x, z: lk.processed_logprobs(z, x["zt_top"], **PROC, ignore_index=-100, chunk_size=4).logprobs,
+    ),
+    "processed_logprobs_outside_-inf_min_p": (
+        ("zt",),
+        lambda x, z: lk.processed_logprobs(z, x["tokens"], top_p=0.6, min_p=0.2, ignore_index=-100, outside="-inf").logprobs,
+    ),
+    "processed_logprobs_kept_from": (
+        ("zr",),
+        lambda x, zr: lk.processed_logprobs(zr, x["tokens"], **PROC, ignore_index=-100, outside="-inf", kept_from=x["zt"]).logprobs,
+    ),
+    "processed_logprobs_top_k_only": (
+        ("zt",),
+        lambda x, z: lk.processed_logprobs(z, x["zt_top"], top_k=7, ignore_index=-100, chunk_size=4).logprobs,
+    ),
+    "processed_logprobs_from_hidden": (
+        ("hidden", "w_tied"),
+        lambda x, h, w: lk.processed_logprobs_from_hidden(h, w, x["h_top"], **PROC, ignore_index=-100, chunk_size=4).logprobs,
+    ),
+    "token_logprobs_top_p": (
+        ("zt",),
+        lambda x, z: lk.token_logprobs(z, x["zt_top"], 0.9, ignore_index=-100, top_p=0.6, chunk_size=4),
+    ),
+    **{
+        f"processed_full_kl_{reference}": (
+            ("zt", "zt_ref"),
+            lambda x, z, zr, reference=reference: lk.processed_full_kl(z, zr, x["mask"], **PROC, reference=reference, chunk_size=4),
+        )
+        for reference in ("unprocessed", "processed", "policy_kept")
+    },
 }
 
 
@@ -134,3 +178,36 @@ def test_device_form_still_refuses_an_out_of_range_id(monkeypatch: pytest.Monkey
             lk.token_logprobs_from_hidden(x["hidden"], x["w"], tokens)
         else:
             lk.token_logprobs(x["z"], tokens)
+
+
+@pytest.mark.parametrize("key", ["zt", "hidden"])
+def test_the_processed_cases_have_ties_split_by_top_p(key: str) -> None:
+    """Without rows whose kept set splits tied scores, the backward's re-run would go untested."""
+    from lightning_kl.kernels.processing import check_processing, process_scores
+
+    x = _inputs()
+    z = x["zt"] if key == "zt" else x["hidden"] @ x["w_tied"].T
+    z = z[x["mask"]] / PROC["temperature"]
+    kept = process_scores(z, check_processing(**PROC))
+    smallest_kept = torch.where(kept == float("-inf"), float("inf"), z).amin(-1, keepdim=True)
+    split = ((z == smallest_kept) & (kept == float("-inf"))).any(-1)
+    assert 0 < int(split.sum()) < z.shape[0]  # tied rows split, and rows masked by their threshold
+
+
+def test_device_form_still_refuses_a_token_outside_the_kept_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    z = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    with device_form(monkeypatch), pytest.raises(RuntimeError, match="sampled tokens must lie in the kept set"):
+        lk.processed_logprobs(z, torch.tensor([2]), top_k=2)
+    with device_form(monkeypatch):  # a token inside it passes
+        lp = lk.processed_logprobs(z, torch.tensor([1]), top_k=2).logprobs
+    assert_close(lp, -torch.tensor([1.0]).exp().log1p())  # log(e / (e^2 + e))
+
+
+def test_device_form_still_refuses_the_gradient_of_an_infinite_kl(monkeypatch: pytest.MonkeyPatch) -> None:
+    z = torch.tensor([[2.0, 1.0, 0.0]], requires_grad=True)
+    ref = torch.tensor([[0.0, 1.0, 2.0]])
+    with device_form(monkeypatch):
+        kl = lk.processed_full_kl(z, ref, top_k=2, reference="processed")  # token 0 kept, removed by the reference
+        with pytest.raises(RuntimeError, match=r"processed distribution is \+inf"):
+            kl.sum().backward()
+    assert torch.isinf(kl.detach()).all()  # the value says so

@@ -23,7 +23,9 @@ Notation: ``n`` tokens, ``V`` the vocabulary; :math:`\tilde p` the policy's proc
 
 Chunks of valid rows, as :mod:`lightning_kl.kernels.full`: the forward keeps the per-token KL, the
 backward recomputes both distributions per chunk and writes that chunk of the gradients once;
-masked tokens are never read (value 0, gradient exactly 0).
+masked tokens have value 0 and gradient exactly 0. On the CPU they are never read (an index list of
+the valid rows); elsewhere (no host read per call, ``lightning_kl.ground.checks.host_reads``) every
+row is computed and the masked ones are zeroed, NaN padding included.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from lightning_kl.ground.checks import compute_dtype
+from lightning_kl.ground.checks import check_values, compute_dtype, host_reads
 from lightning_kl.ground.chunks import run_chunks
 from lightning_kl.kernels.processing import CPU_CHUNK_ELEMENTS, CUDA_CHUNK_ELEMENTS, Processing, process_scores
 from lightning_kl.kernels.rows import Rows
@@ -67,7 +69,9 @@ def _log_dists(
 
 
 def _rows(mask_flat: Optional[Tensor], n: int, chunk_size: int, device: torch.device) -> list[tuple[slice, Tensor]]:
-    rows = torch.arange(n, device=device) if mask_flat is None else mask_flat.nonzero().squeeze(-1)
+    """Chunks of the rows to compute: the valid ones on the CPU, every row elsewhere (no host read)."""
+    host = mask_flat is not None and host_reads(device)
+    rows = mask_flat.nonzero().squeeze(-1) if host else torch.arange(n, device=device)
     return [(slice(s, min(s + chunk_size, rows.numel())), rows[s : s + chunk_size]) for s in range(0, rows.numel(), chunk_size)]
 
 
@@ -97,6 +101,8 @@ class _ProcessedFullKL(torch.autograd.Function):
             kl[idx] = torch.sub(logp, logq, out=logq).mul_(p).masked_fill_(p == 0, 0).sum(-1)
 
         run_chunks(work, _rows(mask_flat, n, chunk_size, device), device)
+        if mask_flat is not None:
+            kl.masked_fill_(~mask_flat, 0)  # off the CPU masked rows were computed (NaN padding, say)
         ctx.save_for_backward(logits, ref_logits, mask_flat, kl)
         ctx.proc, ctx.reference, ctx.chunk_size = proc, reference, chunk_size
         return kl.view(logits.shape[:-1])
@@ -111,12 +117,17 @@ class _ProcessedFullKL(torch.autograd.Function):
         if mask_flat is not None:
             g_out = g_out.masked_fill(~mask_flat, 0)
         infinite = (kl == float("inf")) & (g_out != 0)
-        if bool(infinite.any()):
-            raise ValueError(
-                f"the KL against the reference's own processed distribution is +inf at {int(infinite.sum())} "
-                "token(s) (the policy keeps a token that the reference's processing removes): its gradient does "
-                "not exist. Use reference='policy_kept' or 'unprocessed' to regularize, or mask those tokens."
-            )
+        why = (
+            "(the policy keeps a token that the reference's processing removes): its gradient does not exist. "
+            "Use reference='policy_kept' or 'unprocessed' to regularize, or mask those tokens"
+        )
+        check_values(
+            infinite,
+            lambda: ValueError(f"the KL against the reference's own processed distribution is +inf at {int(infinite.sum())} token(s) {why}."),
+            f"the KL against the reference's own processed distribution is +inf {why}",
+        )
+        # off the CPU masked rows are computed too (NaN padding, say): their gradients are zeroed
+        skip = None if mask_flat is None or host_reads(logits.device) else ~mask_flat
         src, ref = Rows(logits), Rows(ref_logits)
         n, vocab, device, dtype = kl.numel(), logits.shape[-1], logits.device, kl.dtype
         scale = g_out / proc.temperature
@@ -129,12 +140,15 @@ class _ProcessedFullKL(torch.autograd.Function):
             logp, logq = _log_dists(src, ref, idx, dtype, proc, ctx.reference)
             s = scale[idx].unsqueeze(1)
             p = logp.exp()
+            off = None if skip is None else skip[idx].unsqueeze(1)  # NaN padding: 0 * NaN
             if grad_ref is not None:
-                grad_ref[idx] = logq.exp().sub_(p).mul_(s).to(ref_logits.dtype)
+                gr = logq.exp().sub_(p).mul_(s)
+                grad_ref[idx] = (gr if off is None else gr.masked_fill_(off, 0)).to(ref_logits.dtype)
             if grad_z is not None:
                 d = logp.sub_(logq).sub_(kl[idx].unsqueeze(1)).mul_(p).masked_fill_(p == 0, 0)
                 d.masked_fill_((kl[idx] == float("inf")).unsqueeze(1), 0)  # infinite rows here have s = 0
-                grad_z[idx] = d.mul_(s).to(logits.dtype)
+                d.mul_(s)
+                grad_z[idx] = (d if off is None else d.masked_fill_(off, 0)).to(logits.dtype)
 
         run_chunks(work, _rows(mask_flat, n, ctx.chunk_size, device), device)
         return (

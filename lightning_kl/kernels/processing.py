@@ -28,7 +28,8 @@ log of the share of ``softmax(z / T)`` that the sampler keeps (a statistic, retu
 Chunked as :mod:`lightning_kl.kernels.logprobs`: the forward keeps ``O(n)`` numbers (the kept
 log-normalizer, and each row's kept set as a threshold on its scores), the backward reads each
 chunk again, masks it by the threshold (rows whose kept set is not a threshold set, top-p splitting
-tied scores, run the processing again: the same ops on the same numbers give the same set) and
+tied scores, run the processing again: the same ops on the same numbers give the same set; off the
+CPU, where finding those rows would be a host read, every chunk with top-p does) and
 writes that chunk of the gradient once. A chunk holds a few ``[c, V]``
 temporaries (the top-p sort's values and int64 indices among them). From hidden states, a chunk's
 logits are made from the LM head (:class:`~lightning_kl.kernels.rows.LinearRows`) in forward and in
@@ -46,7 +47,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from lightning_kl.ground.checks import check_temperature, compute_dtype
+from lightning_kl.ground.checks import check_temperature, compute_dtype, host_reads
 from lightning_kl.ground.chunks import run_chunks
 from lightning_kl.kernels.rows import LinearRows, Rows
 
@@ -188,6 +189,20 @@ def _tempered(src: Rows | LinearRows, idx: slice | Tensor, dtype: torch.dtype, p
     return z / proc.temperature if proc.temperature != 1.0 else (z.clone() if z is chunk else z)
 
 
+def _redo(exact: Tensor, n_chunks: int, chunk_size: int, proc: Processing, other_support: bool) -> set[int]:
+    """The chunks whose backward runs the processing again, not the threshold mask (:func:`_threshold`).
+
+    On the CPU: the chunks with a row whose kept set is not its threshold set (a host read of
+    ``exact``). Elsewhere nothing is read: every chunk where such a row can occur, that is every
+    chunk with top-p (ties split by its sort) or a kept set from another model. Without those,
+    top-k and min-p keep upper sets of the scores, so only rows with NaN scores are not exact, and
+    their gradient is NaN (0 where ignored) on either path.
+    """
+    if host_reads(exact.device):
+        return set(torch.unique(torch.nonzero(~exact).squeeze(1) // chunk_size).tolist())
+    return set(range(n_chunks)) if proc.top_p is not None or other_support else set()
+
+
 class _ProcessedLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
@@ -263,8 +278,7 @@ class _ProcessedLogprobs(torch.autograd.Function):
         acc_b = torch.zeros(vocab, dtype=dtype, device=device) if need_b and bias is not None else None
 
         items = _items(src, n, ctx.chunk_size, device)
-        # chunks with a row whose kept set is not its threshold set run the processing again (one sync)
-        redo = set(torch.unique(torch.nonzero(~exact).squeeze(1) // ctx.chunk_size).tolist())
+        redo = _redo(exact, len(items), ctx.chunk_size, proc, kept_from is not None)
 
         def work(k: int, state: Any) -> None:
             pos, idx = items[k]
