@@ -23,7 +23,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from lightning_kl.ground.checks import check_floating, check_head, check_temperature, check_tokens
+from lightning_kl.ground.checks import check_chunk_size, check_floating, check_head, check_temperature, check_tokens
 from lightning_kl.ground.vocab_shards import VocabShard, is_vocab_parallel
 from lightning_kl.kernels.logprobs import token_logprobs_from_hidden_kernel, token_logprobs_kernel
 from lightning_kl.kernels.processing import check_processing
@@ -64,11 +64,6 @@ class FromHidden(NamedTuple):
     weight: Tensor
     bias: Optional[Tensor] = None
 
-
-def _check_size(name: str, value: Any) -> Optional[int]:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ValueError(f"`{name}` must be a positive integer or None, got {value!r}.")
-    return value
 
 
 def token_logprobs(
@@ -126,14 +121,14 @@ def token_logprobs(
     """
     if is_vocab_parallel(logits):  # split over the vocabulary (docs/scale.md): never gathered
         _refuse_truncation_on_shards(top_k, top_p, min_p)
-        return vocab_parallel_token_logprobs(logits, tokens, check_temperature(temperature), ignore_index, _check_size("chunk_size", chunk_size))
+        return vocab_parallel_token_logprobs(logits, tokens, check_temperature(temperature), ignore_index, check_chunk_size(chunk_size))
     if (top_k, top_p, min_p) != (None, None, None):
         return processed_logprobs(logits, tokens, temperature, top_k, top_p, min_p, ignore_index, chunk_size=chunk_size).logprobs
     check_floating("logits", logits)
     if logits.ndim == 0 or logits.shape[-1] == 0:
         raise ValueError(f"`logits` must be `[..., V]` with a vocabulary of V >= 1 entries, got shape {tuple(logits.shape)}.")
     temperature = check_temperature(temperature)
-    _check_size("chunk_size", chunk_size)
+    check_chunk_size(chunk_size)
     ids, ignored = check_tokens(tokens, logits.shape[:-1], logits.shape[-1], logits.device, "logits", ignore_index)
     return token_logprobs_kernel(logits, ids, ignored, temperature, chunk_size)
 
@@ -208,8 +203,8 @@ def token_logprobs_from_hidden(
         ).logprobs
     check_head(hidden, weight, bias)
     temperature = check_temperature(temperature)
-    _check_size("chunk_size", chunk_size)
-    _check_size("vocab_chunk_size", vocab_chunk_size)
+    check_chunk_size(chunk_size)
+    check_chunk_size(vocab_chunk_size, "vocab_chunk_size")
     if isinstance(weight, VocabShard):  # a column-parallel head's rows (docs/scale.md)
         return vocab_parallel_token_logprobs_from_hidden(hidden, weight, bias, tokens, temperature, ignore_index, chunk_size)
     ids, ignored = check_tokens(tokens, hidden.shape[:-1], weight.shape[0], hidden.device, "hidden", ignore_index)

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from lightning_kl.ground.checks import check_floating, check_full_inputs, check_head, check_matching, check_tokens, check_values
+from lightning_kl.ground.checks import check_chunk_size, check_floating, check_full_inputs, check_head, check_matching, check_tokens, check_values
 from lightning_kl.kernels.logprobs import token_logprobs_from_hidden_kernel, token_logprobs_kernel
 from lightning_kl.kernels.processed_full import REFERENCES, processed_full_kl_kernel
 from lightning_kl.kernels.processing import Processing, check_processing, processed_logprobs_kernel
@@ -141,7 +141,7 @@ def processed_logprobs(
         raise ValueError(f"`logits` must be `[..., V]` with a vocabulary of V >= 1 entries, got shape {tuple(logits.shape)}.")
     proc = check_processing(temperature, top_k, top_p, min_p)
     outside = _check_outside(outside)
-    _check_chunk(chunk_size)
+    check_chunk_size(chunk_size)
     ids, ignored = check_tokens(tokens, logits.shape[:-1], logits.shape[-1], logits.device, "logits", ignore_index)
     if kept_from is not None:
         check_matching("logits", logits, "kept_from", kept_from)
@@ -194,7 +194,7 @@ def processed_logprobs_from_hidden(
     check_head(hidden, weight, bias)
     proc = check_processing(temperature, top_k, top_p, min_p)
     outside = _check_outside(outside)
-    _check_chunk(chunk_size)
+    check_chunk_size(chunk_size)
     ids, ignored = check_tokens(tokens, hidden.shape[:-1], weight.shape[0], hidden.device, "hidden", ignore_index)
     if not proc.truncates:
         lp = token_logprobs_from_hidden_kernel(hidden, weight, bias, ids, ignored, proc.temperature, chunk_size, None)
@@ -264,11 +264,7 @@ def processed_full_kl(
     proc = check_processing(temperature, top_k, top_p, min_p)
     if reference not in REFERENCES:
         raise ValueError(f"`reference` must be one of {REFERENCES}, got {reference!r}.")
-    _check_chunk(chunk_size)
+    check_chunk_size(chunk_size)
     mask_flat = None if mask is None else mask.reshape(-1)
     return processed_full_kl_kernel(logits, ref_logits, mask_flat, proc, reference, chunk_size)
 
-
-def _check_chunk(chunk_size: Any) -> None:
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(f"`chunk_size` must be a positive integer or None, got {chunk_size!r}.")

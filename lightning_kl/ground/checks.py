@@ -22,6 +22,7 @@ __all__ = [
     "AggMode",
     "HOST_READ_DEVICES",
     "check_agg_mode",
+    "check_chunk_size",
     "check_count",
     "check_floating",
     "check_full_hidden_inputs",
@@ -421,3 +422,14 @@ def check_full_hidden_inputs(
     if ref_hidden.device != hidden.device:
         raise ValueError(f"`hidden` is on {hidden.device} but `ref_hidden` is on {ref_hidden.device}.")
     return check_mask(mask, hidden, "hidden", without="the hidden dimension")
+
+
+def check_chunk_size(value: Any, name: str = "chunk_size") -> Optional[int]:
+    """A chunk size (rows, or vocabulary entries): a positive integer, or None for the kernel's default.
+
+    Raises:
+        ValueError: naming ``name`` and the bad value.
+    """
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"`{name}` must be a positive integer or None, got {value!r}.")
+    return value

@@ -49,7 +49,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from lightning_kl.ground.checks import check_full_hidden_inputs, check_full_inputs, check_temperature, compute_dtype, host_reads
+from lightning_kl.ground.checks import check_chunk_size, check_full_hidden_inputs, check_full_inputs, check_temperature, compute_dtype, host_reads
 from lightning_kl.ground.chunks import pool_active, run_chunks
 from lightning_kl.ground.vocab_shards import VocabShard, is_vocab_parallel
 from lightning_kl.kernels.rows import LinearRows, Rows
@@ -140,7 +140,7 @@ def full_kl_compute(
 ) -> Tensor:
     """:func:`full_kl` on checked inputs (``mask`` bool or None): the dispatch target of every caller."""
     temperature = check_temperature(temperature)
-    _check_chunk_size(chunk_size)
+    check_chunk_size(chunk_size)
     if is_vocab_parallel(logits) or is_vocab_parallel(ref_logits):  # split over the vocabulary: never gathered
         return vocab_parallel_full_kl(logits, ref_logits, mask, temperature, chunk_size)
     mask_flat = None if mask is None else mask.reshape(-1)
@@ -210,16 +210,12 @@ def full_kl_from_hidden_compute(
 ) -> Tensor:
     """:func:`full_kl_from_hidden` on checked inputs (``mask`` bool or None)."""
     temperature = check_temperature(temperature)
-    _check_chunk_size(chunk_size)
+    check_chunk_size(chunk_size)
     if isinstance(weight, VocabShard) or isinstance(ref_weight, VocabShard):  # column-parallel heads
         return vocab_parallel_full_kl_from_hidden(hidden, weight, bias, ref_hidden, ref_weight, ref_bias, mask, temperature, chunk_size)
     mask_flat = None if mask is None else mask.reshape(-1)
     return _FullKLFromHidden.apply(hidden, weight, bias, ref_hidden, ref_weight, ref_bias, mask_flat, temperature, chunk_size)
 
-
-def _check_chunk_size(chunk_size: Any) -> None:
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(f"`chunk_size` must be a positive integer or None, got {chunk_size!r}.")
 
 
 # ---------------------------------------------------------------------------------------------
