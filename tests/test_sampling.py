@@ -454,3 +454,17 @@ def test_truncation_is_refused_on_a_vocabulary_split_and_the_temperature_alone_i
             lk.token_logprobs(lk.VocabShard(logits, None, 0), tokens, **kwargs)
         with pytest.raises(ValueError, match="not supported on logits or heads split over the vocabulary"):
             lk.token_logprobs_from_hidden(torch.randn(2, 3, 4), lk.VocabShard(head, None, 0), tokens, **kwargs)
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 2.0])
+def test_a_bad_chunk_size_is_refused_by_every_processed_function(bad):
+    z, w = torch.randn(2, 3, 5), torch.randn(5, 4)
+    tokens = z.argmax(-1)
+    calls = [
+        lambda: lk.processed_logprobs(z, tokens, top_k=2, chunk_size=bad),
+        lambda: lk.processed_logprobs_from_hidden(torch.randn(2, 3, 4), w, tokens, top_k=2, chunk_size=bad),
+        lambda: lk.processed_full_kl(z, z.flip(-1), top_k=2, chunk_size=bad),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match=rf"`chunk_size` must be a positive integer or None, got {bad!r}"):
+            call()
