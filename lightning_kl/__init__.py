@@ -13,6 +13,7 @@ from lightning_kl.estimators import (
     parse_estimator,
 )
 from lightning_kl import hf  # imports neither transformers nor peft
+from lightning_kl.ground.sampler import Sampling
 from lightning_kl.ground.vocab_shards import VocabShard
 from lightning_kl.functional import AGG_MODES, aggregate, kl_penalty
 from lightning_kl.ground.checks import AggMode
@@ -58,6 +59,7 @@ __all__ = [
     "SampledEstimatorName",
     "VocabShard",
     "SampledLogprobs",
+    "Sampling",
     "aggregate",
     "full_kl",
     "full_kl_from_hidden",

@@ -63,14 +63,14 @@ def _report_outside(outside: Tensor, tokens: Tensor, proc: Processing) -> None:
     def named() -> ValueError:
         where = outside.nonzero()[0].tolist()
         return ValueError(
-            f"{int(outside.sum())} sampled token(s) lie outside the kept set of the processing {proc._asdict()}, "
+            f"{int(outside.sum())} sampled token(s) lie outside the kept set of the processing {proc.as_dict()}, "
             f"the first at position {tuple(where)} (id {int(tokens[tuple(where)])}): the sampler and the scorer "
             "disagree (another processing, e.g. generate's default top_k=50, or other logits). Pass the "
             "sampler's exact processing, or outside='-inf' to score them as log 0 = -inf."
         )
 
     rule = (
-        f"sampled tokens must lie in the kept set of the processing {proc._asdict()} (the sampler's exact "
+        f"sampled tokens must lie in the kept set of the processing {proc.as_dict()} (the sampler's exact "
         "processing, or outside='-inf' to score them as log 0 = -inf)"
     )
     check_values(outside, named, rule)

@@ -39,15 +39,15 @@ backward, and its gradient :math:`G` becomes :math:`G W` for the hidden states a
 
 from __future__ import annotations
 
-import math
 import threading
-from typing import Any, NamedTuple, Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from lightning_kl.ground.checks import check_temperature, compute_dtype, host_reads
+from lightning_kl.ground.checks import compute_dtype, host_reads
+from lightning_kl.ground.sampler import Sampling
 from lightning_kl.ground.chunks import run_chunks
 from lightning_kl.kernels.rows import LinearRows, Rows
 
@@ -60,43 +60,17 @@ CUDA_CHUNK_ELEMENTS = 2**24
 HIDDEN_MIN_CHUNK_ROWS = 16
 
 
-class Processing(NamedTuple):
-    """A sampler's processing, validated (:func:`check_processing`); neutral values are None."""
-
-    temperature: float = 1.0
-    top_k: Optional[int] = None
-    top_p: Optional[float] = None
-    min_p: Optional[float] = None
-
-    @property
-    def truncates(self) -> bool:
-        """Whether a token can be removed (the kept set may be smaller than the vocabulary)."""
-        return self.top_k is not None or self.top_p is not None or self.min_p is not None
+#: The validated sampler (public as ``lk.Sampling``); the kernels' historical name for it.
+Processing = Sampling
 
 
-def check_processing(temperature: Any = 1.0, top_k: Any = None, top_p: Any = None, min_p: Any = None) -> Processing:
-    """Validate the sampler's processing, with ``generate``'s names and neutral values.
-
-    ``top_k`` None or 0, ``top_p`` None or 1.0 and ``min_p`` None or 0.0 turn that processor off (as
-    in ``generate``); the result holds None for each processor that is off.
+def check_processing(temperature: Any = 1.0, top_k: Any = None, top_p: Any = None, min_p: Any = None) -> Sampling:
+    """Validate the sampler's processing, with ``generate``'s names and neutral values (see :class:`Sampling`).
 
     Raises:
         ValueError: naming the bad value and the valid range.
     """
-    temperature = check_temperature(temperature)
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
-        raise ValueError(f"`top_k` must be an integer >= 0 (0 or None: no top-k), got {top_k!r}.")
-    for name, value in (("top_p", top_p), ("min_p", min_p)):
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not 0 <= value <= 1
-        ):
-            raise ValueError(f"`{name}` must be a number in [0, 1] or None, got {value!r}.")
-    return Processing(
-        temperature,
-        top_k or None,
-        None if top_p is None or top_p == 1 else float(top_p),
-        None if min_p is None or min_p == 0 else float(min_p),
-    )
+    return Sampling(temperature, top_k, top_p, min_p)
 
 
 def process_scores(scores: Tensor, proc: Processing) -> Tensor:

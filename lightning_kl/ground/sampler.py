@@ -1,0 +1,98 @@
+r"""``Sampling``: the sampler's processing (temperature, top-k, top-p, min-p), one validated object.
+
+The same object configures the sampler (``model.generate(**sampling.generate_kwargs())``), the scorer
+(``lk.token_logprobs(..., sampling=sampling)``, ``lk.hf``) and the loss
+(``lk.KLPenaltyLoss("full", sampling=sampling)``), so that what was drawn is what is scored.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from lightning_kl.ground.checks import check_temperature
+
+__all__ = ["Sampling"]
+
+
+@dataclass(frozen=True)
+class Sampling:
+    r"""A sampler's processing of the logits, in ``generate``'s order: temperature, top-k, top-p, min-p.
+
+    A sampler that processes the logits ``z`` draws token ``y`` with probability
+    :math:`\tilde p_y = [y \in K]\, e^{z_y / T} / \sum_{j \in K} e^{z_j / T}`, where the kept set ``K`` is
+    chosen as ``transformers``' warpers choose it (ties and rounding included).
+
+    Neutral values turn a processor off, as in ``generate``: ``top_k`` None or 0, ``top_p`` None or 1,
+    ``min_p`` None or 0; the object then holds None for it (so equal samplers compare equal).
+
+    Args:
+        temperature: ``T > 0`` (finite).
+        top_k: an integer ``>= 0``, or None.
+        top_p: a number in ``[0, 1]``, or None. ``top_p=0`` keeps only the most likely token.
+        min_p: a number in ``[0, 1]``, or None.
+
+    Raises:
+        ValueError: at construction, naming the bad value and the valid range.
+
+    Example:
+        >>> s = Sampling(temperature=0.7, top_p=0.9, top_k=0)
+        >>> s
+        Sampling(temperature=0.7, top_k=None, top_p=0.9, min_p=None)
+        >>> s.truncates
+        True
+        >>> Sampling().generate_kwargs()["top_k"]  # off explicitly: generation_config's top_k=50 cannot slip in
+        0
+    """
+
+    temperature: float = 1.0
+    top_k: Optional[int] = None
+    top_p: Optional[float] = None
+    min_p: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        temperature = check_temperature(self.temperature)
+        top_k, top_p, min_p = self.top_k, self.top_p, self.min_p
+        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
+            raise ValueError(f"`top_k` must be an integer >= 0 (0 or None: no top-k), got {top_k!r}.")
+        for name, value in (("top_p", top_p), ("min_p", min_p)):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not 0 <= value <= 1
+            ):
+                raise ValueError(f"`{name}` must be a number in [0, 1] or None, got {value!r}.")
+        object.__setattr__(self, "temperature", temperature)
+        object.__setattr__(self, "top_k", int(top_k) if top_k else None)
+        object.__setattr__(self, "top_p", None if top_p is None or top_p == 1 else float(top_p))
+        object.__setattr__(self, "min_p", None if min_p is None or min_p == 0 else float(min_p))
+
+    @property
+    def truncates(self) -> bool:
+        """Whether a token can be removed (the kept set may be smaller than the vocabulary)."""
+        return self.top_k is not None or self.top_p is not None or self.min_p is not None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The four settings by name (for messages and logs)."""
+        return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p, "min_p": self.min_p}
+
+    def generate_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``model.generate`` that sample from exactly this distribution.
+
+        ``do_sample=True``, this object's four settings, and every processor it does not ask for set
+        to its neutral value explicitly, so that a model's ``generation_config`` (``top_k=50`` on many
+        models, a ``typical_p``, a repetition penalty) cannot change what is drawn behind the scorer's back.
+        """
+        return {
+            "do_sample": True,
+            "temperature": self.temperature,
+            "top_k": 0 if self.top_k is None else self.top_k,
+            "top_p": 1.0 if self.top_p is None else self.top_p,
+            "min_p": None if self.min_p is None else self.min_p,
+            "typical_p": 1.0,
+            "epsilon_cutoff": 0.0,
+            "eta_cutoff": 0.0,
+            "repetition_penalty": 1.0,
+            "no_repeat_ngram_size": 0,
+            "encoder_repetition_penalty": 1.0,
+            "num_beams": 1,
+        }
