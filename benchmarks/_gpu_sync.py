@@ -383,6 +383,7 @@ HOST_ONLY: dict[str, str] = {
     "BASE_ESTIMATORS": "a tuple of names",
     "EstimatorSpec": "a parsed name (host data)",
     "parse_estimator": "parses a name on the host",
+    "Sampling": "a validated sampler configuration (host data)",
     "OnPolicyRollouts": "an iterable that calls the user's sampler; no tensor work of its own",
     "hf": "the module; its functions are listed one by one",
     "AggMode": "a type for LightningCLI (names)",

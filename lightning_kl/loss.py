@@ -3,6 +3,7 @@ r"""``KLPenaltyLoss``: the KL term of an RL loss, as an ``nn.Module``."""
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -29,7 +30,6 @@ from lightning_kl.ground.vocab_shards import sampled_locals
 from lightning_kl.kernels.full import full_kl_compute, full_kl_from_hidden_compute
 from lightning_kl.logprobs import FromHidden
 from lightning_kl.metric import KLMetric
-from lightning_kl.running import TrainerLookup
 from lightning_kl.sequence import (
     Level,
     check_kl_to_go,
@@ -183,7 +183,7 @@ class KLPenaltyLoss(nn.Module):
         self.kl_to_go = check_kl_to_go(kl_to_go, self.level, self.spec.base == "full")
         self.metric = KLMetric(process_group=process_group, device_mesh=device_mesh)
         self._warned_micro_counts = False
-        self._lookup = TrainerLookup()
+        self._trainer_ref: Optional[weakref.ReferenceType] = None
 
     @property
     def estimator(self) -> str:
@@ -221,9 +221,8 @@ class KLPenaltyLoss(nn.Module):
         micro-batches' own (each divided by its own count), as without this library.
 
         ``accumulate_grad_batches`` defaults to the Trainer's while a Trainer trains the
-        ``LightningModule`` whose ``training_step`` (or a method it calls) calls this loss: found once
-        from the caller's ``self`` (:mod:`lightning_kl.running`), so that forgetting the totals is
-        warned about. Outside a Trainer it is 1; pass it to skip the lookup.
+        ``LightningModule`` holding this loss (see :meth:`attach`), so that forgetting the totals is
+        warned about. Outside a Trainer it is 1; pass it to override.
         """
         from_hidden = isinstance(logprob, FromHidden), isinstance(ref_logprob, FromHidden)
         if any(from_hidden) and not (self.spec.base == "full" and all(from_hidden)):
@@ -264,9 +263,24 @@ class KLPenaltyLoss(nn.Module):
         self.metric(kl.detach(), mask)
         return self.coef * self._aggregate(kl, mask, given, k)
 
+    def attach(self, trainer: Any) -> None:
+        """Connect this loss to the Trainer that fits its LightningModule (None: disconnect).
+
+        Done by :class:`~lightning_kl.trainer_hooks.KLLossCallback` at ``setup``, which every Trainer gets
+        by itself once lightning-kl is installed. The loss then reads the Trainer's
+        ``accumulate_grad_batches`` while it trains. Kept by a weak reference; not copied by ``deepcopy``
+        or pickling (a copy is attached by the Trainer that fits it).
+        """
+        self._trainer_ref = None if trainer is None else weakref.ref(trainer)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(super().__getstate__())
+        state["_trainer_ref"] = None
+        return state
+
     def _trainer_accumulation(self) -> int:
-        # the Trainer's accumulate_grad_batches while it trains the LightningModule calling this loss
-        trainer = self._lookup.trainer()
+        # the Trainer's accumulate_grad_batches while it trains the LightningModule holding this loss
+        trainer = None if self._trainer_ref is None else self._trainer_ref()
         if trainer is None or not getattr(trainer, "training", False):
             return 1
         return getattr(trainer, "accumulate_grad_batches", 1)
