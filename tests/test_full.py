@@ -276,6 +276,16 @@ def test_loss_aggregates_the_exact_kl_with_the_mask(agg):
     assert "temperature=0.9" in repr(loss_fn)
 
 
+def test_inference_mode_and_no_grad():
+    z64, zr64 = logits(20, 33), logits(20, 33, seed=1)
+    with torch.inference_mode():
+        kl = full_kl(z64.float(), zr64.float(), chunk_size=2)
+    assert kl.is_inference()
+    assert_close(kl.double(), reference(z64, zr64)[0], rtol=1e-5, atol=2e-6)
+    with torch.no_grad():
+        assert full_kl(z64.float().requires_grad_(), zr64.float(), chunk_size=2).grad_fn is None
+
+
 # ---------------------------------------------------------------------------------------------
 # a real training loop: the model hands its logits to KLPenaltyLoss("full")
 
