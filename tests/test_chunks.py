@@ -74,4 +74,4 @@ def test_the_package_starts_no_thread_of_its_own():
     lk.full_kl(z, torch.randn(64, 100), chunk_size=4).sum().backward()
     lp = torch.randn(70_000, requires_grad=True)
     lk.kl_penalty(lp, torch.randn(70_000), "k3+").sum().backward()
-    assert set(threading.enumerate()) == before
+    assert not set(threading.enumerate()) - before  # none new (another test's may have ended meanwhile)
