@@ -1,5 +1,9 @@
 """lightning-kl: KL regularization toward a reference model for RL fine-tuning, as Lightning parts."""
 
+from lightning_kl.ground.vector_math import settle_vector_math
+
+settle_vector_math()  # first of all: oneMKL picks its exp/log kernels at this call, in this thread (see there)
+
 from lightning_kl.accumulation import step_totals
 from lightning_kl.callback import KLRewardCallback
 from lightning_kl.controllers import AdaptiveKLController, FixedKLController, KLController

@@ -1,7 +1,7 @@
 """What the chunked kernels do on a device that is not the CPU, checked without one.
 
-The kernels choose by device type: the CPU gets the thread pool and cache-sized chunks, every other
-device runs its chunks in the calling thread, in chunks sized for device memory. Tensors on the
+The kernels choose by device type: the CPU gets cache-sized chunks, every other device
+chunks sized for device memory (every device runs them in order in the calling thread). Tensors on the
 ``meta`` device (shapes only, no memory) take that non-CPU path; each kernel's hand-over to the one
 chunk runner is intercepted, so the chunks it would run are counted without running them. The
 counts follow from the documented constants: e.g. 2^25 elements per chunk at V = 151,936 are 220
@@ -23,7 +23,6 @@ from lightning_kl.kernels import logprobs as logprobs_kernel
 
 V, N, D = 151_936, 1000, 64
 META, CUDA, CPU = torch.device("meta"), torch.device("cuda"), torch.device("cpu")
-POOLED = torch.get_num_threads() > 1 and chunks._openmp_backend()
 
 
 class Handed(Exception):
@@ -41,7 +40,6 @@ def handed(monkeypatch: pytest.MonkeyPatch) -> list[tuple[list[Any], torch.devic
 
     for module in (fused, full_kernel, logprobs_kernel):
         monkeypatch.setattr(module, "run_chunks", record)
-    monkeypatch.setattr(chunks, "CPU_THREAD_POOL", True)
     return seen
 
 
@@ -50,18 +48,9 @@ def _rows(item: Any) -> int:
     return pos.stop - pos.start
 
 
-@pytest.mark.parametrize("device", [CUDA, META, torch.device("cuda", 1), torch.device("mps")])
-def test_no_thread_pool_off_the_cpu_even_with_the_pool_on(device, monkeypatch):
-    monkeypatch.setattr(chunks, "CPU_THREAD_POOL", True)
-    assert not chunks.pool_active(device)
-    if POOLED:
-        assert chunks.pool_active(CPU)  # the contrast: on this machine the CPU does get the pool
-
-
-def test_off_the_cpu_the_chunks_run_in_order_in_the_calling_thread_with_one_state(monkeypatch):
+def test_off_the_cpu_the_chunks_run_in_order_in_the_calling_thread_with_one_state():
     import threading
 
-    monkeypatch.setattr(chunks, "CPU_THREAD_POOL", True)
     seen, states, threads = [], [], set()
 
     def work(item: int, state: list[int]) -> None:

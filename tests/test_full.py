@@ -209,10 +209,7 @@ class _AllocationLog(TorchDispatchMode):
 
 @pytest.mark.parametrize("ref_grad", [False, True])
 @pytest.mark.parametrize("temperature", [1.0, 0.5])
-def test_forward_and_backward_make_no_tensor_larger_than_a_chunk_but_the_gradients(ref_grad, temperature, monkeypatch):
-    import lightning_kl.ground.chunks as chunks_mod
-
-    monkeypatch.setattr(chunks_mod, "CPU_THREAD_POOL", False)  # a dispatch mode sees this thread's ops only
+def test_forward_and_backward_make_no_tensor_larger_than_a_chunk_but_the_gradients(ref_grad, temperature):
     n, vocab, chunk = 24, 40, 3
     z = logits(n, vocab).float().requires_grad_()
     zr = logits(n, vocab, seed=1).float().requires_grad_(ref_grad)
@@ -279,38 +276,11 @@ def test_loss_aggregates_the_exact_kl_with_the_mask(agg):
     assert "temperature=0.9" in repr(loss_fn)
 
 
-def test_the_cpu_thread_pool_gives_the_serial_answer_and_leaves_torch_threads_alone(monkeypatch):
-    """CPU chunks run on a pool of Python threads when torch has several threads: same maths."""
-    import threading
-
-    import lightning_kl.ground.chunks as chunks_mod
-
+def test_inference_mode_and_no_grad():
     z64, zr64 = logits(20, 33), logits(20, 33, seed=1)
-    mask = torch.arange(20) % 3 != 0
-    results = []
-    for pooled in (True, False):
-        monkeypatch.setattr(chunks_mod, "CPU_THREAD_POOL", pooled)
-        z, zr = z64.float().requires_grad_(), zr64.float().requires_grad_()
-        kl = full_kl(z, zr, mask, temperature=0.9, chunk_size=2)
-        kl.sum().backward()
-        results.append((kl.detach(), z.grad, zr.grad))
-        if pooled and torch.get_num_threads() > 1:
-            assert any(t.name.startswith("lightning_kl") for t in threading.enumerate())
-    for a, b in zip(*results):
-        assert_close(a, b, rtol=1e-6, atol=1e-7)
-    want, grad_z, _ = reference(z64[mask], zr64[mask], 0.9)
-    assert_close(results[0][1][mask].double(), grad_z, rtol=1e-5, atol=2e-6)
-    # the workers' single-threaded setting does not leak into this thread or new ones
-    n = torch.get_num_threads()
-    seen = []
-    t = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
-    t.start()
-    t.join()
-    assert seen == [n]
-    # grad mode and inference mode travel into the workers
-    monkeypatch.setattr(chunks_mod, "CPU_THREAD_POOL", True)
     with torch.inference_mode():
         kl = full_kl(z64.float(), zr64.float(), chunk_size=2)
+    assert kl.is_inference()
     assert_close(kl.double(), reference(z64, zr64)[0], rtol=1e-5, atol=2e-6)
     with torch.no_grad():
         assert full_kl(z64.float().requires_grad_(), zr64.float(), chunk_size=2).grad_fn is None

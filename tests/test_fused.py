@@ -25,7 +25,7 @@ SAMPLED = getattr(lk, "SAMPLED_ESTIMATORS", lk.ESTIMATORS)
 
 @pytest.fixture(autouse=True)
 def small_chunks(monkeypatch):
-    """Many chunks on small tensors (every chunk loop and its threads run; the tests stay fast)."""
+    """Many chunks on small tensors (every chunk loop runs; the tests stay fast)."""
     monkeypatch.setattr(_fused, "CHUNK", 1000)
 
 
@@ -92,7 +92,7 @@ def with_junk(logprob, ref, mask):
 
 @pytest.mark.parametrize("name", SAMPLED)
 def test_fused_matches_composition_and_formula_with_junk_padding(name):
-    n = 3 * _fused.CHUNK + 77  # several chunks (the threaded path), the last one partial
+    n = 3 * _fused.CHUNK + 77  # several chunks, the last one partial
     logprob, ref = make_inputs(n)
     mask = torch.rand(n, generator=torch.Generator().manual_seed(1)) > 0.2
     mask[:9] = True
@@ -282,10 +282,10 @@ def test_old_logprob_importance_weight_on_the_fused_value(name):
     assert_close(results[0][1].double(), torch.where(mask, want_grad, zero), rtol=1e-5, atol=1e-5)
 
 
-def test_one_chunk_or_less_takes_the_composition():
+def test_less_than_one_chunk_takes_the_composition():
     spec = parse_estimator("k3+")
-    assert not _fused.use_fused(spec, torch.zeros(_fused.CHUNK))
-    assert _fused.use_fused(spec, torch.zeros(_fused.CHUNK + 1))
+    assert not _fused.use_fused(spec, torch.zeros(_fused.CHUNK - 1))
+    assert _fused.use_fused(spec, torch.zeros(_fused.CHUNK))  # one chunk: [8, 4096] at the default
     assert not _fused.use_fused(parse_estimator("k3+"), torch.zeros(0))
 
 
@@ -339,7 +339,7 @@ def test_nan_on_a_valid_token_as_the_composition(name):
 
 @pytest.mark.parametrize("mode", ["inference", "one_thread"])
 def test_inference_mode_and_a_single_thread(mode):
-    """Several chunks on worker threads under inference_mode (Lightning's eval loops), or none."""
+    """Several chunks under inference_mode (Lightning's eval loops), or with one torch thread."""
     logprob, ref = make_inputs(5 * _fused.CHUNK + 3, seed=13)
     mask = torch.arange(logprob.numel()) % 7 != 0
     want_value, _ = formula("low_var_kl", torch.where(mask, logprob.double() - ref.double(), 0.0))

@@ -65,16 +65,6 @@ class _RefuseBoolIndexing(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _pool_started() -> None:
-    # Run alone, the first full KL of a process (the one that starts the chunk runner's threads) came
-    # out 3e-10 off the float64 formula in about 1 run of 4, and never once the pool had run (or had
-    # had 0.2 s to settle): an open finding in torch's first use from new threads, recorded in the
-    # CHANGELOG. These comparisons are at 1e-12, so the pool is started and used first.
-    z = torch.randn(2, 8, 64, dtype=torch.float64)
-    lk.full_kl(z, z.flip(-1), chunk_size=1)
-
-
 def _inputs() -> dict[str, Tensor]:
     g = torch.Generator().manual_seed(3)
     mask = torch.arange(T).expand(B, T) < torch.tensor([[6], [2], [0]])

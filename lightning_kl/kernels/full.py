@@ -50,7 +50,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from lightning_kl.ground.checks import check_chunk_size, check_full_hidden_inputs, check_full_inputs, check_temperature, compute_dtype, host_reads
-from lightning_kl.ground.chunks import pool_active, run_chunks
+from lightning_kl.ground.chunks import run_chunks
 from lightning_kl.ground.vocab_shards import VocabShard, is_vocab_parallel
 from lightning_kl.kernels.rows import LinearRows, Rows
 from lightning_kl.kernels.vocab_parallel import vocab_parallel_full_kl, vocab_parallel_full_kl_from_hidden
@@ -529,7 +529,7 @@ def _hidden_chunk_elements(device: torch.device) -> int:
 def _chunk_elements(device: torch.device) -> int:
     if device.type != "cpu":
         return CUDA_CHUNK_ELEMENTS
-    return CPU_CHUNK_ELEMENTS if pool_active(device) else CPU_SERIAL_CHUNK_ELEMENTS
+    return CPU_SERIAL_CHUNK_ELEMENTS  # the chunks run in order with torch's threads (ground/chunks.py)
 
 
 def _new_grad(x: Tensor, mask_flat: Optional[Tensor], rows: Optional[Tensor]) -> Tensor:

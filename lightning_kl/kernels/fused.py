@@ -6,8 +6,8 @@ and keeps several full-size temporaries alive until backward. Here one
 :class:`torch.autograd.Function` per call
 
 * walks the inputs in cache-sized chunks (:data:`CHUNK` elements on CPU), does every step of a chunk
-  in place in small scratch buffers that stay in cache, and writes the value once; on CPU the chunks
-  are dealt to the package's chunk runner (:mod:`lightning_kl.ground.chunks`: a pool of threads);
+  in place in small scratch buffers that stay in cache, and writes the value once; the chunks run in
+  order through the package's chunk runner (:mod:`lightning_kl.ground.chunks`);
 * saves only ``logprob``, ``ref_logprob`` and the mask (tensors the caller holds anyway), and in
   backward recomputes what the gradient needs chunk by chunk, reading the incoming gradient once and
   writing ``grad_logprob`` (and ``grad_ref = -grad_logprob``, only when ``ref_logprob`` requires a
@@ -15,7 +15,7 @@ and keeps several full-size temporaries alive until backward. Here one
 * is skipped altogether when no input requires a gradient (the callback's ``no_grad`` path): the
   chunked forward runs with no autograd bookkeeping.
 
-Inputs of at most one chunk (on CPU) keep the composition (:func:`use_fused`): they sit in cache
+Inputs smaller than one chunk (on CPU) keep the composition (:func:`use_fused`): they sit in cache
 either way, and a dozen plain ops cost less Python than the fused set-up. On other devices the
 whole tensor is one chunk (one kernel per step, in place); that path has not been timed on a GPU.
 
@@ -60,7 +60,8 @@ __all__ = ["CHUNK", "ENABLED", "FUSED_BASES", "fused_kl_value", "use_fused"]
 
 #: Elements per chunk on CPU: torch's grain (32768), the largest block an elementwise op runs
 #: inline on its calling thread without opening an OpenMP region; its few float32 scratch buffers
-#: (128 KiB each) stay in a core's L2 cache. Other devices take the whole tensor as one chunk (one
+#: (128 KiB each) stay in a core's L2 cache. The chunks run one after the other on one thread, and
+#: still beat the composition on two (``benchmarks/bench_cpu_machinery.py``; docs/performance.md). Other devices take the whole tensor as one chunk (one
 #: kernel launch per step: the in-place work and the saved-nothing backward still apply); its two or
 #: three float32 scratch buffers are the size of the value (``[b, t]``: 32 MiB each at 8M tokens).
 CHUNK = 1 << 15
@@ -76,13 +77,14 @@ FUSED_BASES: frozenset[str] = frozenset(("k1", "abs", "k2", "k3", "low_var_kl"))
 def use_fused(spec: EstimatorSpec, logprob: Tensor) -> bool:
     """Whether :func:`fused_kl_value` serves ``spec`` on ``logprob`` (else the caller composes the maths).
 
-    Inputs of one chunk or less (on CPU) take the composition: they fit in cache whichever way, and
-    its dozen ops cost less Python than the fused path's set-up (about 60 us less at 1K tokens).
+    Inputs of less than one chunk (on CPU) take the composition: they fit in cache whichever way, and
+    its dozen ops cost less Python than the fused path's set-up (up to 2x faster at 1K-2K tokens; from
+    one chunk, ``[8, 4096]``, the fused path is 1.2x to 1.8x faster: ``benchmarks/bench_cpu_machinery.py``).
     """
     return (
         ENABLED
         and spec.base in FUSED_BASES
-        and (logprob.numel() > CHUNK or logprob.device.type != "cpu")
+        and (logprob.numel() >= CHUNK or logprob.device.type != "cpu")
         and not torch.compiler.is_compiling()
     )
 
@@ -220,7 +222,7 @@ def _d_into(out: Tensor, logprob: Tensor, ref_logprob: Tensor) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# the chunk loop: the package's one runner, with per-worker scratch buffers
+# the chunk loop: the package's one runner, with scratch buffers reused by every chunk
 
 
 def _run(
@@ -229,8 +231,8 @@ def _run(
     """``work(chunk, scratch)`` for every chunk, through :func:`~lightning_kl.ground.chunks.run_chunks`.
 
     Each chunk is small enough (<= 32768 elements on CPU: torch's grain) that every op on it runs
-    inline on its thread; each worker gets its own ``n_scratch`` buffers, shaped like the first
-    (a largest) chunk, and reuses them for all its chunks.
+    inline on the calling thread; ``n_scratch`` buffers, shaped like the first (a largest) chunk,
+    serve every chunk.
     """
     shape = chunks[0][0].shape if chunks else (0,)
 
