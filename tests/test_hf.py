@@ -471,8 +471,7 @@ def test_example_config_runs_on_policy_and_trains_only_the_adapters(tmp_path, ca
             seq, am, mask = batch["sequences"], batch["attention_mask"], batch["mask"]
             dm = trainer.datamodule  # the YAML's sampler: temperature and top-p, scored processed
             with torch.no_grad():
-                now = hf.response_logprobs(module.policy, seq, am, seq.shape[1] - mask.shape[1],
-                                           dm.hparams.temperature, **dm.scoring)
+                now = hf.response_logprobs(module.policy, seq, am, seq.shape[1] - mask.shape[1], **dm.scoring)
             seen.setdefault("gap", []).append(float((now - batch["logprobs"])[mask].abs().max()))
             seen.setdefault("batches", []).append({k: v for k, v in batch.items()})
 
