@@ -511,6 +511,26 @@ def test_example_config_runs_on_policy_and_trains_only_the_adapters(tmp_path, ca
     assert module.memory["reference_as_a_copy"] == module.memory["base"] > module.memory["adapters"] > 0
 
 
+def test_the_examples_sampler_draws_what_it_scores_whatever_the_generation_config(cache_dir, one_thread, capsys):
+    # examples/check_generate.py on the example's YAML (tiny model): generate(**sampling.generate_kwargs())
+    # is scored at ratio 1 under the model's default generation_config and a checkpoint-like one;
+    # generate's own keywords let the checkpoint's top_k and repetition penalty in
+    spec = importlib.util.spec_from_file_location("check_generate", ROOT / "examples" / "check_generate.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    args = ["--config", str(CONFIG), "--rollouts", "1", *TINY_ARGS, f"--model.cache_dir={cache_dir}"]
+    sampling, rows = check.measure(str(CONFIG), 1, args[4:])
+    assert sampling == lk.Sampling(temperature=0.9, top_p=0.9)  # the YAML's
+    assert len(rows) == 8 and all(r["tokens"] > 0 for r in rows)
+    for r in rows:
+        if r["sampler"] == "generate(**sampling.generate_kwargs())" or r["generation_config"] == "the model's default":
+            assert abs(r["mean_ratio"] - 1) < 1e-5 and r["share_outside"] == 0.0, r
+        else:
+            assert not hf.SamplerAgreement(r["mean_ratio"], r["share_outside"], r["tokens"]).agrees, r
+    assert check.main(args) == 0
+    assert "PASS  every generate(**sampling.generate_kwargs()) row: ratio 1.0000, 0% outside" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("name", ["k4", "full"])
 def test_example_rejects_a_bad_estimator_before_any_step(tmp_path, one_thread, name):
     # the message lists the valid names; the model is built before the reference is pretrained
