@@ -249,7 +249,7 @@ class ArithmeticDataModule(pl.LightningDataModule):
         enc = self.tokenizer([prompt_text(a, b) for a, b in problems], return_tensors="pt", padding=True)
         prompt_ids, prompt_am = enc["input_ids"].to(device), enc["attention_mask"].to(device)
         if generate_kwargs is None:
-            generate_kwargs = self.sampling.generate_kwargs()
+            generate_kwargs = self.sampling.generate_kwargs(model)
         out = model.generate(
             input_ids=prompt_ids, attention_mask=prompt_am, max_new_tokens=h.max_new_tokens,
             pad_token_id=PAD_ID, eos_token_id=EOS_ID, output_scores=True, return_dict_in_generate=True,

@@ -138,3 +138,20 @@ def test_generate_kwargs_sample_and_turn_off_what_the_sampling_does_not_ask_for(
     # every key is a GenerationConfig attribute (a misspelt key would reach the model's forward)
     config = transformers.GenerationConfig()
     assert all(hasattr(config, k) for k in kw), [k for k in kw if not hasattr(config, k)]
+
+
+def test_generate_kwargs_for_a_model_leave_out_what_its_transformers_does_not_know():
+    # an older transformers has no top_h (say): generate would refuse the keyword, and applies no such processor
+    class OldConfig:
+        do_sample = num_beams = temperature = top_k = top_p = min_p = repetition_penalty = None
+
+    class OldModel:
+        generation_config = OldConfig()
+
+    s = lk.Sampling(temperature=0.7, top_k=4)
+    kw = s.generate_kwargs(OldModel())
+    assert kw == {"do_sample": True, "num_beams": 1, "temperature": 0.7, "top_k": 4, "top_p": 1.0, "min_p": None,
+                  "repetition_penalty": 1.0}
+    assert s.generate_kwargs(OldConfig()) == kw
+    # transformers 5 knows every key: the same as without a model
+    assert s.generate_kwargs(_model()) == s.generate_kwargs()

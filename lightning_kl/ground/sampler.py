@@ -75,7 +75,7 @@ class Sampling:
         """The four settings by name (for messages and logs)."""
         return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p, "min_p": self.min_p}
 
-    def generate_kwargs(self) -> dict[str, Any]:
+    def generate_kwargs(self, model: Any = None) -> dict[str, Any]:
         """Keyword arguments for ``model.generate`` that sample from exactly this distribution.
 
         ``do_sample=True``, this object's four settings, and every other setting of ``generate`` that
@@ -92,8 +92,14 @@ class Sampling:
         from another distribution than ``s``). Length keywords (``max_new_tokens``) and the ids
         (``pad_token_id``, ``eos_token_id``) are the caller's: they end a response, they do not
         change the distribution of its tokens.
+
+        Args:
+            model: optional, the model that will ``generate`` (or its ``GenerationConfig``): the
+                settings its ``transformers`` version does not know are left out (an older version
+                has no such processor, and would refuse the unknown keyword). Without it, every
+                setting of ``transformers`` 5 is given.
         """
-        return {
+        kwargs = {
             "do_sample": True,
             "num_beams": 1,
             # this object's processing, in generate's order
@@ -129,3 +135,7 @@ class Sampling:
             "dola_layers": None,
             "assistant_ensemble_weight": None,
         }
+        config = getattr(model, "generation_config", model)
+        if config is None:
+            return kwargs
+        return {k: v for k, v in kwargs.items() if hasattr(config, k)}
