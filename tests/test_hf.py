@@ -629,6 +629,21 @@ def test_the_readme_quickstart_trains_the_adapters_with_a_sampled_and_the_full_k
     scope["kl_loss"].backward()
 
 
+def test_the_readme_quickstart_installs_what_it_imports():
+    # the quickstart imports peft and runs a transformers model: its install line names an extra of
+    # pyproject.toml that holds both (`.[examples]` holds neither)
+    import re
+    import tomllib
+
+    quick = (ROOT / "README.md").read_text().split("## Quickstart")[1].split("\n## ")[0]
+    (install,) = re.findall(r"```bash\n(.*?)```", quick, re.S)
+    (extras,) = re.findall(r'pip install -e "\.\[([a-z,]+)\]"', install)
+    table = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    packages = {re.split(r"[<>=\[]", req)[0] for extra in extras.split(",") for req in table[extra]}
+    assert {"transformers", "peft"} <= packages, (extras, packages)
+    assert "import peft" in quick
+
+
 def _write_run(root: Path, name: str, acc: list[float], kl: list[float], step_s: float) -> None:
     run = root / name / "version_0"
     run.mkdir(parents=True)
