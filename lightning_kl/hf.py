@@ -386,12 +386,18 @@ _warned_models: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
 def _check_against_sampler(model: Any, logprobs: Tensor, scores: Any, responses: Tensor, mask: Tensor) -> None:
-    if model in _warned_models:
-        return
+    try:
+        if model in _warned_models:
+            return
+    except TypeError:  # a model object that takes no weak reference: warned at each disagreement
+        pass
     agreement = sampler_agreement(logprobs, scores, responses, mask)
     if agreement.agrees:
         return
-    _warned_models.add(model)
+    try:
+        _warned_models.add(model)
+    except TypeError:
+        pass
     ratio = "nan" if math.isnan(agreement.mean_ratio) else f"{agreement.mean_ratio:.4f}"
     warnings.warn(
         f"lk.hf.response_logprobs: the scored log-probs are not those of the distribution generate drew from "

@@ -529,6 +529,17 @@ def test_the_examples_sampler_draws_what_it_scores_whatever_the_generation_confi
             assert not hf.SamplerAgreement(r["mean_ratio"], r["share_outside"], r["tokens"]).agrees, r
     assert check.main(args) == 0
     assert "PASS  every generate(**sampling.generate_kwargs()) row: ratio 1.0000, 0% outside" in capsys.readouterr().out
+    # the example's own rollout path (ArithmeticDataModule.sample, no keywords given) under that config
+    cli = ex.main(["--config", str(CONFIG), *QUIET_CLI, *TINY_ARGS, f"--model.cache_dir={cache_dir}"], run=False)
+    dm, model = cli.datamodule, cli.model.reference_model(cli.datamodule).eval()
+    model.generation_config = transformers.GenerationConfig(**{**model.generation_config.to_dict(), **check.CHECKPOINT_LIKE})
+    torch.manual_seed(0)
+    batch = dm.sample(model, [(1, 0), (0, 1)] * 8, torch.device("cpu"))
+    seq, am, mask = batch["sequences"], batch["attention_mask"], batch["mask"]
+    p = seq.shape[1] - mask.shape[1]
+    lp = hf.response_logprobs(model, seq, am, p, **dm.scoring)
+    agreement = hf.sampler_agreement(lp, batch["generate_scores"], seq[:, p:], mask)
+    assert agreement.share_outside == 0.0 and abs(agreement.mean_ratio - 1) < 1e-5, agreement
 
 
 @pytest.mark.parametrize("name", ["k4", "full"])
