@@ -120,7 +120,7 @@ def test_the_hostile_settings_do_change_what_plain_keywords_draw():
                              output_logits=True, output_scores=True, return_dict_in_generate=True, **plain)
         n = min(len(out.scores), len(out.logits))
         if config.get("num_beams", 1) > 1:
-            continue  # beam sampling: scores are beams' cumulative log-probs (other shapes); its mode differs
+            continue  # beam sampling: its scores are the beams' running log-probs, not one step's distribution
         drawn = torch.log_softmax(torch.stack(out.scores[:n], 1).double(), -1)
         raw = torch.stack(out.logits[:n], 1)
         expected = torch.stack([_expected_logprobs(raw[:, i], sampling) for i in range(n)], 1)
