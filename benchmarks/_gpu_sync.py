@@ -386,6 +386,10 @@ HOST_ONLY: dict[str, str] = {
     "Sampling": "a validated sampler configuration (host data)",
     "OnPolicyRollouts": "an iterable that calls the user's sampler; no tensor work of its own",
     "hf": "the module; its functions are listed one by one",
+    "hf.sampler_agreement": "an opt-in check that returns its figures as Python floats: one host read per call, "
+    "by design (also behind hf.response_logprobs(sampler_scores=), which is off by default)",
+    "hf.SamplerAgreement": "a tuple of Python numbers (host data)",
+    "hf.SamplerMismatchWarning": "a warning class",
     "AggMode": "a type for LightningCLI (names)",
     "EstimatorName": "a type for LightningCLI (names)",
     "SampledEstimatorName": "a type for LightningCLI (names)",

@@ -9,7 +9,8 @@ r"""The sampler against the scorer in the Hugging Face example: full-vocabulary 
 
 (``docs/sampling.md`` lists the other runs of its table: ``kl_coef: 0`` and ``top_p: 0.7``.)
 
-``generate`` samples with ``temperature`` and ``top_p`` (the YAML). Every rollout logs the importance
+``generate`` samples with the YAML's ``data.sampling`` (``temperature`` and ``top_p``, through
+``lk.Sampling.generate_kwargs()``). Every rollout logs the importance
 ratio of the scorer's log-prob against the sampler's (``generate``'s processed scores), at every
 response token: ``sampling/ratio_full_*`` for the full-vocabulary ``log_softmax(z / T)``,
 ``sampling/ratio_processed_*`` for :func:`lightning_kl.processed_logprobs` (``_mean``: the mean ratio,

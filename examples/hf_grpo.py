@@ -24,9 +24,12 @@ Everything is made here, on a CPU, with no download:
    can shape the rewards. ``training_step`` is GRPO: group-normalized advantages, token-level ratio
    (clipped), plus the KL term from :class:`lightning_kl.KLPenaltyLoss` (estimator, coefficient and
    level from the YAML). Every log-prob comes from :func:`lightning_kl.hf.response_logprobs`, which
-   reads the logits with :func:`lightning_kl.token_logprobs`. ``generate`` samples with the YAML's
-   ``temperature`` and ``top_p`` (``top_k``, ``min_p`` too), and the rollouts are scored with the log-probs
-   of that processed distribution (``score_processed``; ``docs/sampling.md``).
+   reads the logits with :func:`lightning_kl.token_logprobs`. One :class:`lightning_kl.Sampling` (the
+   YAML's ``data.sampling``) configures both sides: ``generate`` samples with its ``generate_kwargs()``
+   (every processor it does not ask for switched off, whatever the model's ``generation_config``
+   holds), and the rollouts are scored with the log-probs of that processed distribution
+   (``score_processed``; ``docs/sampling.md``), checked against ``generate``'s own processed scores
+   (``check_sampler``).
 
 Notation: ``b`` sequences in a rollout (``prompts_per_rollout * group_size``), ``p`` the padded prompt
 length, ``t`` the response length (at most ``max_new_tokens``), ``V`` the vocabulary size.
@@ -151,12 +154,15 @@ class ArithmeticDataModule(pl.LightningDataModule):
         prompts_per_rollout, group_size: a rollout is ``group_size`` samples of each of
             ``prompts_per_rollout`` prompts.
         rollouts: rollout batches per epoch (one ``training_step`` each).
-        temperature: the sampling temperature (the log-probs are taken at it too).
+        sampling: the sampler (:class:`lightning_kl.Sampling`: temperature, top-k, top-p, min-p):
+            ``generate`` draws with ``sampling.generate_kwargs()``, the log-probs are taken with it.
         reference_samples: samples drawn from the reference at the start to measure its accuracy.
-        top_k, top_p, min_p: the sampler's truncation, passed to ``generate`` (0, 1.0, None: off).
         score_processed: score the rollouts with the log-probs of the processed distribution they
-            were sampled from (:func:`lightning_kl.processed_logprobs`), or, False, with the
-            full-vocabulary softmax (the contrast).
+            were sampled from (``lk.hf.response_logprobs(..., sampling=)``), or, False, with the
+            full-vocabulary softmax at the sampling temperature (the contrast).
+        check_sampler: compare the policy's log-probs with ``generate``'s processed scores at every
+            rollout (``lk.hf.response_logprobs(..., sampler_scores=)``): a warning, once, if they
+            disagree beyond float noise (the full-vocabulary contrast run warns, as it should).
         reference: the reference of the processed policy's KL (:data:`lightning_kl.REFERENCES`):
             ``"unprocessed"`` (its softmax at the temperature) or ``"policy_kept"`` (renormalized on the
             policy's kept set: blind to which tokens the policy keeps, see ``docs/sampling.md``).
@@ -170,13 +176,11 @@ class ArithmeticDataModule(pl.LightningDataModule):
         prompts_per_rollout: int = 16,
         group_size: int = 8,
         rollouts: int = 300,
-        temperature: float = 1.0,
+        sampling: lk.Sampling = lk.Sampling(),
         reference_samples: int = 1024,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        min_p: Optional[float] = None,
         score_processed: bool = True,
         reference: str = "unprocessed",
+        check_sampler: bool = True,
     ) -> None:
         super().__init__()
         if not 1 <= max_operand <= 1000:
@@ -185,31 +189,38 @@ class ArithmeticDataModule(pl.LightningDataModule):
             raise ValueError(f"`p_correct` must be in [0, 1], got {p_correct!r}.")
         if max_new_tokens < len(str(2 * max_operand - 2)) + 1:
             raise ValueError(f"`max_new_tokens` {max_new_tokens} cannot hold the answer {2 * max_operand - 2} and EOS.")
-        if not temperature > 0:
-            raise ValueError(f"`temperature` must be > 0, got {temperature!r}.")
+        if isinstance(sampling, dict):  # a YAML's mapping, given to the class directly (not through the CLI)
+            sampling = lk.Sampling(**sampling)
+        if not isinstance(sampling, lk.Sampling):
+            raise TypeError(f"`sampling` must be a lightning_kl.Sampling (or a mapping of its fields), got {type(sampling).__name__}.")
         for name, value in [("prompts_per_rollout", prompts_per_rollout), ("group_size", group_size),
                             ("rollouts", rollouts), ("reference_samples", reference_samples)]:
             if not value >= 1:
                 raise ValueError(f"`{name}` must be >= 1, got {value!r}.")
-        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
-            raise ValueError(f"`top_k` must be an integer >= 0 (0: off), got {top_k!r}.")
         if reference not in ("unprocessed", "policy_kept"):
             raise ValueError(f"`reference` must be 'unprocessed' or 'policy_kept', got {reference!r}.")
-        for name, value in [("top_p", top_p), ("min_p", 0.0 if min_p is None else min_p)]:
-            if not 0 <= value <= 1:
-                raise ValueError(f"`{name}` must be in [0, 1], got {value!r}.")
         self.save_hyperparameters()
+        self._sampling = sampling  # the object (LightningCLI saves the hyperparameters as its config: a mapping)
         self.tokenizer = build_tokenizer()
 
     @property
+    def sampling(self) -> lk.Sampling:
+        """The sampler: ``generate`` draws with it, the rollouts are scored with it."""
+        return self._sampling
+
+    @property
     def processing(self) -> dict[str, Any]:
-        """The sampler's truncation, as ``generate`` and :func:`lightning_kl.hf.response_logprobs` take it."""
-        return {"top_k": self.hparams.top_k, "top_p": self.hparams.top_p, "min_p": self.hparams.min_p}
+        """The sampler's truncation, as the processed functions take it (``lk.processed_full_kl``)."""
+        s = self.sampling
+        return {"top_k": s.top_k, "top_p": s.top_p, "min_p": s.min_p}
 
     @property
     def scoring(self) -> dict[str, Any]:
-        """The processing keywords the rollouts are scored with (none: the full softmax)."""
-        return self.processing if self.hparams.score_processed else {}
+        """How :func:`lightning_kl.hf.response_logprobs` scores the rollouts: the sampler, or (the
+        full-vocabulary contrast) the softmax at its temperature."""
+        if self.hparams.score_processed:
+            return {"sampling": self.sampling}
+        return {"temperature": self.sampling.temperature}
 
     def corpus_config(self) -> dict[str, Any]:
         return {"max_operand": self.hparams.max_operand, "p_correct": self.hparams.p_correct}
@@ -225,19 +236,24 @@ class ArithmeticDataModule(pl.LightningDataModule):
 
     @torch.no_grad()
     def sample(self, model: Any, problems: list[tuple[int, int]], device: torch.device,
-               synced: bool = False) -> dict[str, Tensor]:
+               synced: bool = False, generate_kwargs: Optional[dict[str, Any]] = None) -> dict[str, Any]:
         """Sample one answer per problem from ``model`` with ``generate``; masks and inputs for scoring.
 
         ``synced``: the model is sharded (FSDP2), so every rank runs as many forward passes as the
         slowest one (``generate(synced_gpus=True)``): each pass gathers the weights collectively.
+        ``generate_kwargs``: the sampler's keywords, ``self.sampling.generate_kwargs()`` by default
+        (another value only for ``examples/check_generate.py``'s contrast). ``"generate_scores"``, the
+        processed scores ``generate`` drew from, is for the check, not for the batch.
         """
         h = self.hparams
         enc = self.tokenizer([prompt_text(a, b) for a, b in problems], return_tensors="pt", padding=True)
         prompt_ids, prompt_am = enc["input_ids"].to(device), enc["attention_mask"].to(device)
+        if generate_kwargs is None:
+            generate_kwargs = self.sampling.generate_kwargs(model)
         out = model.generate(
-            input_ids=prompt_ids, attention_mask=prompt_am, do_sample=True, temperature=h.temperature,
-            max_new_tokens=h.max_new_tokens, pad_token_id=PAD_ID, eos_token_id=EOS_ID,
-            output_scores=True, return_dict_in_generate=True, synced_gpus=synced, **self.processing,
+            input_ids=prompt_ids, attention_mask=prompt_am, max_new_tokens=h.max_new_tokens,
+            pad_token_id=PAD_ID, eos_token_id=EOS_ID, output_scores=True, return_dict_in_generate=True,
+            synced_gpus=synced, **generate_kwargs,
         )
         sequences = out.sequences
         p = prompt_ids.shape[1]
@@ -247,7 +263,7 @@ class ArithmeticDataModule(pl.LightningDataModule):
         # the log-probs the sampler drew with: generate's processed scores, [b, t]
         sampler_lp = torch.log_softmax(torch.stack(out.scores, 1).float(), -1).gather(-1, sequences[:, p:, None])[..., 0]
         return {"sequences": sequences, "attention_mask": attention_mask, "mask": mask, "scores": scores,
-                "sampler_logprobs": sampler_lp}
+                "sampler_logprobs": sampler_lp, "generate_scores": out.scores}
 
     @torch.no_grad()
     def rollout(self, module: "HFGRPO", n_prompts: Optional[int] = None) -> dict[str, Tensor]:
@@ -266,30 +282,34 @@ class ArithmeticDataModule(pl.LightningDataModule):
         was_training = policy.training
         policy.eval()
         batch = self.sample(policy, problems, module.device, module.sharded)
+        generate_scores = batch.pop("generate_scores")
         seq, am, mask = batch["sequences"], batch["attention_mask"], batch["mask"]
         p = seq.shape[1] - mask.shape[1]
-        logprobs, logits = hf.response_logprobs(policy, seq, am, p, h.temperature, return_logits=True, **self.scoring)
+        check = {"sampler_scores": generate_scores} if h.check_sampler else {}
+        logprobs, logits = hf.response_logprobs(policy, seq, am, p, return_logits=True, **self.scoring, **check)
         # the reference's softmax, or the reference on the policy's kept set
-        ref_kw = dict(self.scoring, kept_from=logits) if self.scoring and h.reference == "policy_kept" else {}
-        ref_logprobs, ref_logits = hf.reference_logprobs(policy, seq, am, p, h.temperature, return_logits=True, **ref_kw)
+        T = self.sampling.temperature
+        ref_kw = (dict(self.scoring, kept_from=logits) if h.score_processed and h.reference == "policy_kept"
+                  else {"temperature": T})
+        ref_logprobs, ref_logits = hf.reference_logprobs(policy, seq, am, p, return_logits=True, **ref_kw)
         policy.train(was_training)
         # the exact KL of the next-token distributions (0 on padding): summed over a response, an
         # unbiased estimate of the responses' KL (chain rule), no estimator noise; of the full
         # softmax, and of the processed policy against the reference's softmax and on its kept set
-        kl_full = lk.kl_penalty(logits, ref_logits, "full", mask=mask, temperature=h.temperature)
+        kl_full = lk.kl_penalty(logits, ref_logits, "full", mask=mask, temperature=T)
         kl_processed, kl_policy_kept = (
-            lk.processed_full_kl(logits, ref_logits, mask, temperature=h.temperature, reference=r, **self.processing)
+            lk.processed_full_kl(logits, ref_logits, mask, temperature=T, reference=r, **self.processing)
             for r in ("unprocessed", "policy_kept")
         )
         # importance ratios of the scorer against the sampler, full softmax and processed
         tokens = seq[:, p:].masked_fill(~mask, -100)
-        full_lp = lk.token_logprobs(logits, tokens, h.temperature, ignore_index=-100)
-        proc_lp = lk.processed_logprobs(logits, tokens, h.temperature, ignore_index=-100, **self.processing).logprobs
+        full_lp = lk.token_logprobs(logits, tokens, T, ignore_index=-100)
+        proc_lp = lk.processed_logprobs(logits, tokens, T, ignore_index=-100, **self.processing).logprobs
         batch.update(
             logprobs=logprobs,
             ref_logprobs=ref_logprobs,
             group=torch.arange(n_prompts, device=seq.device).repeat_interleave(h.group_size),
-            true_kl=(kl_processed if h.reference == "unprocessed" else kl_policy_kept) if self.scoring else kl_full,
+            true_kl=(kl_processed if h.reference == "unprocessed" else kl_policy_kept) if h.score_processed else kl_full,
             kl_full=kl_full,
             kl_processed=kl_processed,
             kl_policy_kept=kl_policy_kept,
@@ -417,6 +437,15 @@ class HFGRPO(pl.LightningModule):
         return _runs.pretrain(lambda: self._build(dm.max_length).to(self.device), batch_loss,
                               steps=h.pretrain_steps, lr=h.pretrain_lr, seed=h.pretrain_seed, tag="hf_grpo")
 
+    def reference_model(self, dm: ArithmeticDataModule) -> Any:
+        """The pretrained reference (from the cache, or pretrained now and cached), a ``transformers`` model."""
+        state, self.reference_path, self.reference_cached, self.pretrain_seconds = _runs.load_or_pretrain(
+            self.hparams.cache_dir, self.reference_config(dm), lambda: self.pretrain(dm), "hf_grpo"
+        )
+        base = self._build(dm.max_length)
+        base.load_state_dict(state)
+        return base
+
     def setup(self, stage: str) -> None:
         if stage != "fit" or self.policy is not None:
             return
@@ -426,11 +455,7 @@ class HFGRPO(pl.LightningModule):
         if not isinstance(dm, ArithmeticDataModule):
             raise RuntimeError("HFGRPO is trained with an ArithmeticDataModule (it holds the task and the reward).")
         h = self.hparams
-        state, self.reference_path, self.reference_cached, self.pretrain_seconds = _runs.load_or_pretrain(
-            h.cache_dir, self.reference_config(dm), lambda: self.pretrain(dm), "hf_grpo"
-        )
-        base = self._build(dm.max_length)
-        base.load_state_dict(state)
+        base = self.reference_model(dm)
         base_bytes = parameter_bytes(base)
         # LoRA on the frozen pretrained weights: the policy; with the adapters disabled, the reference
         lora = peft.LoraConfig(r=h.lora_r, lora_alpha=h.lora_alpha, target_modules=list(h.lora_targets),
@@ -482,7 +507,7 @@ class HFGRPO(pl.LightningModule):
         adv = group_advantages(returns, batch["group"])[:, None]
 
         dm = self.trainer.datamodule
-        logprobs = hf.response_logprobs(self.policy, seq, am, p, dm.hparams.temperature, **dm.scoring)
+        logprobs = hf.response_logprobs(self.policy, seq, am, p, **dm.scoring)
         ratio = torch.exp(logprobs - batch["logprobs"])  # token-level; 1 on the first step over a rollout
         clipped = ratio.clamp(1 - self.hparams.clip_eps, 1 + self.hparams.clip_eps)
         pg_loss = lk.aggregate(-torch.minimum(ratio * adv, clipped * adv), mask, "token-mean")

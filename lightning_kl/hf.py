@@ -9,7 +9,12 @@ What every user of a ``transformers`` causal LM needs between ``model.generate``
 * :func:`response_logprobs`: ``log pi(y_t | x, y_<t)`` of the sampled response, float32, differentiable;
 * :func:`adapters_disabled` and :func:`reference_logprobs`: the same log-probs with the LoRA
   adapters switched off and without gradient. With ``peft`` adapters on a frozen base model, the
-  base model *is* the reference, so the reference costs no second copy of the weights.
+  base model *is* the reference, so the reference costs no second copy of the weights;
+* :func:`sampler_agreement`: the scorer's log-probs against what ``generate`` drew from (its
+  processed scores), the check behind ``response_logprobs(..., sampler_scores=out.scores)``.
+
+One :class:`lightning_kl.Sampling` configures both sides: ``model.generate(**sampling.generate_kwargs())``
+draws from exactly the distribution that ``response_logprobs(..., sampling=sampling)`` scores.
 
 Notation: ``b`` sequences, ``p`` prompt length (left-padded, the same for every row), ``t`` response
 length (``max_new_tokens`` or less), ``V`` vocabulary size. ``sequences = generate(...)`` is
@@ -27,25 +32,35 @@ Example (a user's ``training_step``; ``batch`` from a rollout with ``model.gener
 
 from __future__ import annotations
 
+import math
+import warnings
+import weakref
 from contextlib import contextmanager
-from typing import Any, Iterator, Optional, Sequence, Union
+from typing import Any, Iterator, NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
 
 from lightning_kl.ground.checks import check_temperature
+from lightning_kl.ground.sampler import Sampling
 from lightning_kl.kernels.processing import check_processing
 from lightning_kl.logprobs import token_logprobs
 from lightning_kl.sampling import processed_logprobs
 
 __all__ = [
+    "SamplerAgreement",
+    "SamplerMismatchWarning",
     "adapters_disabled",
     "reference_logprobs",
     "response_logits",
     "response_logprobs",
     "response_mask",
+    "sampler_agreement",
     "sequence_inputs",
 ]
+
+#: the band of the importance ratio (scorer over sampler) that float noise stays in
+RATIO_BAND = (0.99, 1.01)
 
 
 def _check_prompt_length(prompt_length: int, seq_len: int, what: str) -> None:
@@ -181,11 +196,13 @@ def response_logprobs(
     temperature: float = 1.0,
     return_logits: bool = False,
     *,
+    sampling: Optional[Sampling] = None,
     top_k: Optional[int] = None,
     top_p: Optional[float] = None,
     min_p: Optional[float] = None,
     kept_from: Optional[Tensor] = None,
     outside: str = "raise",
+    sampler_scores: Union[Sequence[Tensor], Tensor, None] = None,
 ) -> Union[Tensor, tuple[Tensor, Tensor]]:
     r"""Log-probs of the response tokens under ``model``: one forward pass, float32, differentiable.
 
@@ -213,6 +230,9 @@ def response_logprobs(
         temperature: the sampling temperature (``generate(temperature=...)``): log-probs of
             ``softmax(logits / T)``, the distribution the tokens were drawn from.
         return_logits: also return the response logits (for the ``full`` estimator or the exact KL).
+        sampling: the sampler (:class:`lightning_kl.Sampling`), the one whose ``generate_kwargs()``
+            drew the tokens: its temperature and truncation, in place of ``temperature``, ``top_k``,
+            ``top_p`` and ``min_p`` (give one or the other).
         top_k, top_p, min_p: the sampler's truncation, as passed to ``generate`` (None: off): the
             log-probs of the truncated, renormalized distribution the tokens were drawn from
             (:func:`lightning_kl.processed_logprobs`). Response positions outside
@@ -221,11 +241,20 @@ def response_logprobs(
             policy's (a reference renormalized on the policy's kept set).
         outside: a sampled token outside the kept set: ``"raise"`` or ``"-inf"``
             (:func:`lightning_kl.processed_logprobs`).
+        sampler_scores: opt-in check of the scorer against the sampler: ``generate``'s processed
+            scores of these sequences (``out.scores`` of ``generate(..., output_scores=True,
+            return_dict_in_generate=True)``, ``t`` tensors ``[b, V]``, or one ``[b, t, V]``). The
+            log-probs are compared with them on the valid response tokens (:func:`sampler_agreement`,
+            one host read) and a :class:`SamplerMismatchWarning` with the figures is given, once per
+            model, when they disagree beyond float noise: the mean ratio off 1 by more than ``1e-3``,
+            or more than 1% of the tokens outside ``[0.99, 1.01]``.
 
     Raises:
         ValueError: if ``sequences`` and ``attention_mask`` differ in shape, ``prompt_length`` is
             out of range, ``temperature`` is not a finite number > 0 or a processing value is out of
-            range (before the forward pass); a sampled token outside the kept set (``outside="raise"``).
+            range, ``sampling`` is given with the separate keywords, or ``sampler_scores`` does not
+            match the responses' shape (before the forward pass); a sampled token outside the kept set
+            (``outside="raise"``).
     """
     if sequences.dim() != 2 or attention_mask.shape != sequences.shape:
         hint = _batched_twice("sequences", sequences, 2) or (" They must be 2-D." if attention_mask.shape == sequences.shape else "")
@@ -234,10 +263,23 @@ def response_logprobs(
             f"and {tuple(attention_mask.shape)}.{hint}"
         )
     _check_prompt_length(prompt_length, sequences.shape[1], "sequences")
+    if sampling is not None:
+        if not isinstance(sampling, Sampling):
+            raise TypeError(f"`sampling` must be a lightning_kl.Sampling, got {type(sampling).__name__}.")
+        separate = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p}
+        given = {k: v for k, v in separate.items() if v is not None and not (k == "temperature" and v == 1.0)}
+        if given:
+            raise ValueError(
+                f"give the sampler as `sampling=` or as the separate keywords, not both: got sampling={sampling} "
+                f"and {given}."
+            )
+        temperature, top_k, top_p, min_p = sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p
     temperature = check_temperature(temperature)  # before the forward pass, not after it
     processed = check_processing(temperature, top_k, top_p, min_p).truncates or kept_from is not None
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     t = sequences.shape[1] - prompt_length
+    if sampler_scores is not None:
+        sampler_scores = _checked_scores(sampler_scores, sequences.shape[0], t)
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     out = model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids,
                 logits_to_keep=t + 1, use_cache=False)
     logits = out.logits
@@ -252,7 +294,120 @@ def response_logprobs(
         ).logprobs
     else:
         logprobs = token_logprobs(logits, sequences[:, prompt_length:], temperature=temperature)
+    if sampler_scores is not None:
+        _check_against_sampler(model, logprobs, sampler_scores, sequences[:, prompt_length:],
+                               attention_mask[:, prompt_length:] != 0)
     return (logprobs, logits) if return_logits else logprobs
+
+
+class SamplerMismatchWarning(UserWarning):
+    """The scorer's log-probs are not those of the distribution ``generate`` drew from."""
+
+
+class SamplerAgreement(NamedTuple):
+    """The importance ratio of the scorer over the sampler on the valid response tokens."""
+
+    mean_ratio: float
+    """The mean of ``exp(logprob - sampler_logprob)`` (1 when the scorer is the sampler)."""
+    share_outside: float
+    """The share of the tokens whose ratio is outside ``[0.99, 1.01]``."""
+    tokens: int
+    """How many tokens were compared."""
+
+    @property
+    def agrees(self) -> bool:
+        """Within float noise: the mean ratio within ``1e-3`` of 1 and at most 1% of the tokens outside the band."""
+        return self.tokens == 0 or (abs(self.mean_ratio - 1) <= 1e-3 and self.share_outside <= 0.01)
+
+
+def _checked_scores(scores: Union[Sequence[Tensor], Tensor], b: int, t: int) -> Union[Sequence[Tensor], Tensor]:
+    expected = f"`sampler_scores` must be generate's scores of these sequences: {t} tensors [b={b}, V] (out.scores) or one [b={b}, t={t}, V]"
+    if isinstance(scores, Tensor):
+        if scores.dim() != 3 or scores.shape[:2] != (b, t):
+            raise ValueError(f"{expected}, got a tensor of shape {tuple(scores.shape)}.")
+        return scores
+    shapes = [tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__ for x in scores]
+    if len(shapes) != t or any(shape != shapes[0] or not isinstance(shape, tuple) or len(shape) != 2 or shape[0] != b
+                               for shape in shapes):
+        shown = shapes[:3] + (["..."] if len(shapes) > 3 else [])
+        raise ValueError(f"{expected}, got {len(shapes)} of shapes {shown}.")
+    return scores
+
+
+@torch.no_grad()
+def sampler_agreement(
+    logprobs: Tensor, sampler_scores: Union[Sequence[Tensor], Tensor], responses: Tensor, mask: Tensor
+) -> SamplerAgreement:
+    r"""How far the scorer's log-probs are from the distribution ``generate`` drew the responses from.
+
+    The ratio ``exp(logprobs - log_softmax(scores)[y])`` at every valid response token, with
+    ``scores`` ``generate``'s processed scores (``output_scores=True``): 1 up to float noise when the
+    scorer scores the sampler's distribution. A processor the scorer does not know about (a
+    ``generation_config``'s ``top_k=50``, another temperature, a repetition penalty) moves it. One step
+    at a time (no ``[b, t, V]`` copy); one host read.
+
+    Shapes: ``logprobs [b, t]``, ``sampler_scores`` ``t`` tensors ``[b, V]`` (``out.scores``) or one
+    ``[b, t, V]``, ``responses [b, t]`` (``sequences[:, p:]``), ``mask [b, t]`` (bool,
+    :func:`response_mask`).
+
+    Example:
+        >>> import torch
+        >>> scores = [torch.tensor([[0.0, 0.0, -float("inf")]])] * 2   # generate kept tokens 0 and 1
+        >>> tokens, mask = torch.tensor([[0, 1]]), torch.tensor([[True, True]])
+        >>> sampler_agreement(torch.full((1, 2), -0.6931472), scores, tokens, mask).agrees   # log 1/2
+        True
+        >>> a = sampler_agreement(torch.full((1, 2), -1.0986123), scores, tokens, mask)     # log 1/3
+        >>> round(a.mean_ratio, 4), a.share_outside, a.agrees
+        (0.6667, 1.0, False)
+    """
+    b, t = responses.shape
+    scores = _checked_scores(sampler_scores, b, t)
+    if logprobs.shape != responses.shape or mask.shape != responses.shape:
+        raise ValueError(
+            f"`logprobs`, `responses` and `mask` must all be [b, t], got shapes {tuple(logprobs.shape)}, "
+            f"{tuple(responses.shape)} and {tuple(mask.shape)}."
+        )
+    steps = [scores[:, i] if isinstance(scores, Tensor) else scores[i] for i in range(t)]
+    drawn = torch.stack([
+        torch.log_softmax(step.double(), -1).gather(-1, responses[:, i : i + 1].clamp(0, step.shape[-1] - 1).to(step.device))[:, 0]
+        for i, step in enumerate(steps)
+    ], 1).to(logprobs.device) if t else logprobs.new_zeros(b, 0)
+    mask = mask.to(logprobs.device).bool()
+    ratio = torch.exp(logprobs.detach().double() - drawn.double())[mask]
+    n = int(ratio.numel())
+    if n == 0:
+        return SamplerAgreement(1.0, 0.0, 0)
+    lo, hi = RATIO_BAND
+    figures = torch.stack([ratio.mean(), ((ratio < lo) | (ratio > hi)).double().mean()]).tolist()
+    return SamplerAgreement(float(figures[0]), float(figures[1]), n)
+
+
+_warned_models: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def _check_against_sampler(model: Any, logprobs: Tensor, scores: Any, responses: Tensor, mask: Tensor) -> None:
+    try:
+        if model in _warned_models:
+            return
+    except TypeError:  # a model object that takes no weak reference: warned at each disagreement
+        pass
+    agreement = sampler_agreement(logprobs, scores, responses, mask)
+    if agreement.agrees:
+        return
+    try:
+        _warned_models.add(model)
+    except TypeError:
+        pass
+    ratio = "nan" if math.isnan(agreement.mean_ratio) else f"{agreement.mean_ratio:.4f}"
+    warnings.warn(
+        f"lk.hf.response_logprobs: the scored log-probs are not those of the distribution generate drew from "
+        f"(sampler_scores=): mean ratio {ratio}, {agreement.share_outside:.1%} of {agreement.tokens} response "
+        f"tokens outside [0.99, 1.01]. Sample with model.generate(**sampling.generate_kwargs()) and score with "
+        f"the same sampling= (a model's generation_config can add top_k=50, a repetition penalty, another "
+        f"temperature). Warned once for this model.",
+        SamplerMismatchWarning,
+        stacklevel=3,
+    )
 
 
 @contextmanager
@@ -300,7 +455,13 @@ def reference_logprobs(
     With LoRA adapters trained on a frozen base model, the reference is the base model, and this is
     its log-probs at no extra parameter memory (TRL does the same). The activations of this forward
     pass are not kept (``torch.no_grad``). Arguments (the processing keywords too), shapes and errors as :func:`response_logprobs`;
-    :func:`adapters_disabled` raises ``TypeError`` for a model without adapters.
+    :func:`adapters_disabled` raises ``TypeError`` for a model without adapters. ``sampler_scores`` is
+    refused: the reference is not the sampler (check the policy's log-probs).
     """
+    if "sampler_scores" in processing:
+        raise TypeError(
+            "`sampler_scores` checks the sampling policy's log-probs: give it to lk.hf.response_logprobs, "
+            "not to reference_logprobs (the reference did not draw the tokens)."
+        )
     with adapters_disabled(model):
         return response_logprobs(model, sequences, attention_mask, prompt_length, temperature, return_logits, **processing)

@@ -255,6 +255,110 @@ def test_response_logprobs_reject_mismatched_shapes():
         hf.response_logprobs(_tiny(), torch.zeros(2, 5, dtype=torch.long), torch.ones(2, 4), 2)
 
 
+# --- one Sampling for the sampler and the scorer; the opt-in check against generate's scores -----
+
+
+def _sample(model, generate_kwargs: dict, seed: int = 0, max_new_tokens: int = 5):
+    ids, am = _left_padded()
+    torch.manual_seed(seed)
+    out = model.generate(input_ids=ids, attention_mask=am, max_new_tokens=max_new_tokens, pad_token_id=PAD,
+                         eos_token_id=EOS, output_scores=True, output_logits=True, return_dict_in_generate=True,
+                         **generate_kwargs)
+    p = ids.shape[1]
+    mask = hf.response_mask(out.sequences[:, p:], EOS)
+    return out, hf.sequence_inputs(am, mask)[0], p, mask
+
+
+def test_response_logprobs_take_one_sampling_for_the_old_keywords():
+    model = _tiny()
+    s = lk.Sampling(temperature=0.7, top_k=4, top_p=0.9)
+    out, am, p, mask = _sample(model, s.generate_kwargs())
+    by_object = hf.response_logprobs(model, out.sequences, am, p, sampling=s)
+    by_keywords = hf.response_logprobs(model, out.sequences, am, p, 0.7, top_k=4, top_p=0.9)
+    assert torch.equal(by_object, by_keywords)
+    # the sampler's own distribution: generate's processed scores, at every valid token
+    drawn = torch.log_softmax(torch.stack(out.scores, 1).double(), -1).gather(-1, out.sequences[:, p:, None])[..., 0]
+    assert_close(by_object[mask].double(), drawn[mask], rtol=0, atol=2e-5)
+    ref = hf.reference_logprobs(_lora(_tiny()), out.sequences, am, p, sampling=lk.Sampling(temperature=0.7))
+    assert ref.shape == by_object.shape
+
+
+@pytest.mark.parametrize("extra", [{"temperature": 0.7}, {"top_p": 0.9}, {"top_k": 3}, {"min_p": 0.1}])
+def test_response_logprobs_refuse_a_sampling_and_the_separate_keywords(extra):
+    model = _tiny()
+    seq = torch.ones(2, 5, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"`sampling=` or as the separate keywords, not both.*" + list(extra)[0]):
+        hf.response_logprobs(model, seq, torch.ones_like(seq), 2, sampling=lk.Sampling(), **extra)
+    with pytest.raises(TypeError, match="`sampling` must be a lightning_kl.Sampling, got dict"):
+        hf.response_logprobs(model, seq, torch.ones_like(seq), 2, sampling={"temperature": 0.7})
+
+
+def test_the_sampler_check_is_silent_when_generate_drew_from_the_scored_sampling():
+    import warnings
+
+    model = _tiny()
+    model.generation_config.top_k = 2  # a checkpoint's default: generate_kwargs() switches it off
+    for s in (lk.Sampling(), lk.Sampling(temperature=0.6, top_p=0.8), lk.Sampling(top_k=3, min_p=0.05)):
+        out, am, p, mask = _sample(model, s.generate_kwargs())
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            hf.response_logprobs(model, out.sequences, am, p, sampling=s, sampler_scores=out.scores)
+        agreement = hf.sampler_agreement(hf.response_logprobs(model, out.sequences, am, p, sampling=s),
+                                         out.scores, out.sequences[:, p:], mask)
+        assert agreement.tokens == int(mask.sum()) and agreement.share_outside == 0.0
+        assert abs(agreement.mean_ratio - 1) < 1e-5 and agreement.agrees
+
+
+@pytest.mark.parametrize("case", ["generation_config top_k", "temperature scored at 1", "scorer truncates more"])
+def test_the_sampler_check_warns_once_with_the_ratios_figures_on_a_mismatched_scorer(case):
+    import re
+    import warnings
+
+    model = _tiny()
+    scorer = lk.Sampling()
+    if case == "generation_config top_k":  # generate's own keywords: the model's top_k=2 slips in
+        model.generation_config.top_k = 2
+        kwargs = dict(do_sample=True, temperature=1.0)
+    elif case == "temperature scored at 1":
+        kwargs = lk.Sampling(temperature=0.5).generate_kwargs()
+    else:  # the scorer's kept set is smaller than the sampler's: the rest get -inf, ratio 0
+        kwargs, scorer = lk.Sampling().generate_kwargs(), lk.Sampling(top_k=1)
+    out, am, p, mask = _sample(model, kwargs)
+    lp = hf.response_logprobs(model, out.sequences, am, p, sampling=scorer, outside="-inf")
+    expected = hf.sampler_agreement(lp, out.scores, out.sequences[:, p:], mask)
+    # from the formula: the ratio at each valid token, in float64
+    drawn = torch.log_softmax(torch.stack(out.scores, 1).double(), -1).gather(-1, out.sequences[:, p:, None])[..., 0]
+    ratio = torch.exp(lp.double() - drawn)[mask]
+    assert expected.tokens == ratio.numel()
+    assert_close(torch.tensor(expected.mean_ratio, dtype=torch.float64), ratio.mean(), rtol=1e-12, atol=0)
+    assert expected.share_outside == float(((ratio < 0.99) | (ratio > 1.01)).double().mean())
+    assert not expected.agrees
+    figures = (f"mean ratio {expected.mean_ratio:.4f}, {expected.share_outside:.1%} of {expected.tokens} "
+               "response tokens outside [0.99, 1.01]")
+    with pytest.warns(hf.SamplerMismatchWarning, match=re.escape(figures)) as record:
+        hf.response_logprobs(model, out.sequences, am, p, sampling=scorer, outside="-inf", sampler_scores=out.scores)
+    assert len(record) == 1 and record[0].filename == __file__  # points at the caller's line
+    with warnings.catch_warnings():  # once per model
+        warnings.simplefilter("error")
+        hf.response_logprobs(model, out.sequences, am, p, sampling=scorer, outside="-inf", sampler_scores=out.scores)
+
+
+def test_the_sampler_check_refuses_scores_of_other_sequences_before_the_forward_pass():
+    model = _tiny()
+    out, am, p, mask = _sample(model, lk.Sampling().generate_kwargs())
+    t = out.sequences.shape[1] - p
+    with pytest.raises(ValueError, match=rf"`sampler_scores` must be generate's scores.*{t} tensors \[b=3, V\].*got {t - 1}"):
+        hf.response_logprobs(model, out.sequences, am, p, sampler_scores=out.scores[1:])
+    with pytest.raises(ValueError, match=r"`sampler_scores` must be.*got a tensor of shape \(3, 12\)"):
+        hf.response_logprobs(model, out.sequences, am, p, sampler_scores=out.scores[0])
+    with pytest.raises(TypeError, match="give it to lk.hf.response_logprobs, not to reference_logprobs"):
+        hf.reference_logprobs(_lora(model), out.sequences, am, p, sampler_scores=out.scores)
+    # one [b, t, V] tensor is taken as well
+    lp = hf.response_logprobs(model, out.sequences, am, p)
+    stacked = hf.sampler_agreement(lp, torch.stack(out.scores, 1), out.sequences[:, p:], mask)
+    assert stacked == hf.sampler_agreement(lp, out.scores, out.sequences[:, p:], mask)
+
+
 # --- the reference for free: adapters off -----------------------------------------------------
 
 
@@ -367,8 +471,7 @@ def test_example_config_runs_on_policy_and_trains_only_the_adapters(tmp_path, ca
             seq, am, mask = batch["sequences"], batch["attention_mask"], batch["mask"]
             dm = trainer.datamodule  # the YAML's sampler: temperature and top-p, scored processed
             with torch.no_grad():
-                now = hf.response_logprobs(module.policy, seq, am, seq.shape[1] - mask.shape[1],
-                                           dm.hparams.temperature, **dm.scoring)
+                now = hf.response_logprobs(module.policy, seq, am, seq.shape[1] - mask.shape[1], **dm.scoring)
             seen.setdefault("gap", []).append(float((now - batch["logprobs"])[mask].abs().max()))
             seen.setdefault("batches", []).append({k: v for k, v in batch.items()})
 
@@ -406,6 +509,37 @@ def test_example_config_runs_on_policy_and_trains_only_the_adapters(tmp_path, ca
     assert 0.0 <= module.ref_acc <= 1.0
     assert module.memory["reference_adapters_off"] == 0
     assert module.memory["reference_as_a_copy"] == module.memory["base"] > module.memory["adapters"] > 0
+
+
+def test_the_examples_sampler_draws_what_it_scores_whatever_the_generation_config(cache_dir, one_thread, capsys):
+    # examples/check_generate.py on the example's YAML (tiny model): generate(**sampling.generate_kwargs())
+    # is scored at ratio 1 under the model's default generation_config and a checkpoint-like one;
+    # generate's own keywords let the checkpoint's top_k and repetition penalty in
+    spec = importlib.util.spec_from_file_location("check_generate", ROOT / "examples" / "check_generate.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    args = ["--config", str(CONFIG), "--rollouts", "1", *TINY_ARGS, f"--model.cache_dir={cache_dir}"]
+    sampling, rows = check.measure(str(CONFIG), 1, args[4:])
+    assert sampling == lk.Sampling(temperature=0.9, top_p=0.9)  # the YAML's
+    assert len(rows) == 8 and all(r["tokens"] > 0 for r in rows)
+    for r in rows:
+        if r["sampler"] == "generate(**sampling.generate_kwargs())" or r["generation_config"] == "the model's default":
+            assert abs(r["mean_ratio"] - 1) < 1e-5 and r["share_outside"] == 0.0, r
+        else:
+            assert not hf.SamplerAgreement(r["mean_ratio"], r["share_outside"], r["tokens"]).agrees, r
+    assert check.main(args) == 0
+    assert "PASS  every generate(**sampling.generate_kwargs()) row: ratio 1.0000, 0% outside" in capsys.readouterr().out
+    # the example's own rollout path (ArithmeticDataModule.sample, no keywords given) under that config
+    cli = ex.main(["--config", str(CONFIG), *QUIET_CLI, *TINY_ARGS, f"--model.cache_dir={cache_dir}"], run=False)
+    dm, model = cli.datamodule, cli.model.reference_model(cli.datamodule).eval()
+    model.generation_config = transformers.GenerationConfig(**{**model.generation_config.to_dict(), **check.CHECKPOINT_LIKE})
+    torch.manual_seed(0)
+    batch = dm.sample(model, [(1, 0), (0, 1)] * 8, torch.device("cpu"))
+    seq, am, mask = batch["sequences"], batch["attention_mask"], batch["mask"]
+    p = seq.shape[1] - mask.shape[1]
+    lp = hf.response_logprobs(model, seq, am, p, **dm.scoring)
+    agreement = hf.sampler_agreement(lp, batch["generate_scores"], seq[:, p:], mask)
+    assert agreement.share_outside == 0.0 and abs(agreement.mean_ratio - 1) < 1e-5, agreement
 
 
 @pytest.mark.parametrize("name", ["k4", "full"])
@@ -504,6 +638,21 @@ def test_the_readme_quickstart_trains_the_adapters_with_a_sampled_and_the_full_k
     exec(full_code, scope)
     assert scope["kl_loss"].item() > 1e-3
     scope["kl_loss"].backward()
+
+
+def test_the_readme_quickstart_installs_what_it_imports():
+    # the quickstart imports peft and runs a transformers model: its install line names an extra of
+    # pyproject.toml that holds both (`.[examples]` holds neither)
+    import re
+
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    quick = (ROOT / "README.md").read_text().split("## Quickstart")[1].split("\n## ")[0]
+    (install,) = re.findall(r"```bash\n(.*?)```", quick, re.S)
+    (extras,) = re.findall(r'pip install -e "\.\[([a-z,]+)\]"', install)
+    table = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    packages = {re.split(r"[<>=\[]", req)[0] for extra in extras.split(",") for req in table[extra]}
+    assert {"transformers", "peft"} <= packages, (extras, packages)
+    assert "import peft" in quick
 
 
 def _write_run(root: Path, name: str, acc: list[float], kl: list[float], step_s: float) -> None:

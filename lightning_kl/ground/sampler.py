@@ -75,24 +75,67 @@ class Sampling:
         """The four settings by name (for messages and logs)."""
         return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p, "min_p": self.min_p}
 
-    def generate_kwargs(self) -> dict[str, Any]:
+    def generate_kwargs(self, model: Any = None) -> dict[str, Any]:
         """Keyword arguments for ``model.generate`` that sample from exactly this distribution.
 
-        ``do_sample=True``, this object's four settings, and every processor it does not ask for set
-        to its neutral value explicitly, so that a model's ``generation_config`` (``top_k=50`` on many
-        models, a ``typical_p``, a repetition penalty) cannot change what is drawn behind the scorer's back.
+        ``do_sample=True``, this object's four settings, and every other setting of ``generate`` that
+        changes what is drawn set to its neutral value explicitly. ``generate`` fills what its caller
+        leaves out from the model's ``generation_config`` (``generation_config.json``), then from its
+        global defaults (``top_k=50``); an explicit keyword wins over both, ``None`` included. So a
+        checkpoint's ``top_k``, ``typical_p``, repetition penalty, banned or suppressed tokens, minimum
+        length (which bans EOS), forced tokens, sequence bias, classifier-free guidance, watermark or
+        DoLa layers cannot change the distribution behind the scorer's back. Speculative decoding stays
+        possible (it is exact), but not its lossy ensemble weight.
+
+        Not covered: a ``logits_processor=`` or ``prefix_allowed_tokens_fn=`` of the caller's own, and
+        keywords merged over these (``{**s.generate_kwargs(), "repetition_penalty": 1.2}`` samples
+        from another distribution than ``s``). Length keywords (``max_new_tokens``) and the ids
+        (``pad_token_id``, ``eos_token_id``) are the caller's: they end a response, they do not
+        change the distribution of its tokens.
+
+        Args:
+            model: optional, the model that will ``generate`` (or its ``GenerationConfig``): the
+                settings its ``transformers`` version does not know are left out (an older version
+                has no such processor, and would refuse the unknown keyword). Without it, every
+                setting of ``transformers`` 5 is given.
         """
-        return {
+        kwargs = {
             "do_sample": True,
+            "num_beams": 1,
+            # this object's processing, in generate's order
             "temperature": self.temperature,
             "top_k": 0 if self.top_k is None else self.top_k,
             "top_p": 1.0 if self.top_p is None else self.top_p,
-            "min_p": None if self.min_p is None else self.min_p,
+            "min_p": self.min_p,
+            # the other warpers (applied with do_sample)
+            "top_h": None,
             "typical_p": 1.0,
             "epsilon_cutoff": 0.0,
             "eta_cutoff": 0.0,
+            # the logits processors (applied in every mode)
             "repetition_penalty": 1.0,
-            "no_repeat_ngram_size": 0,
             "encoder_repetition_penalty": 1.0,
-            "num_beams": 1,
+            "no_repeat_ngram_size": 0,
+            "encoder_no_repeat_ngram_size": 0,
+            "bad_words_ids": None,
+            "sequence_bias": None,
+            "suppress_tokens": None,
+            "begin_suppress_tokens": None,
+            "min_length": 0,
+            "min_new_tokens": None,
+            "forced_bos_token_id": None,
+            "forced_eos_token_id": None,
+            "exponential_decay_length_penalty": None,
+            "remove_invalid_values": False,
+            "guidance_scale": None,
+            "watermarking_config": None,
+            # other decoding modes
+            "constraints": None,
+            "force_words_ids": None,
+            "dola_layers": None,
+            "assistant_ensemble_weight": None,
         }
+        config = getattr(model, "generation_config", model)
+        if config is None:
+            return kwargs
+        return {k: v for k, v in kwargs.items() if hasattr(config, k)}
