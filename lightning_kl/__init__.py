@@ -2,7 +2,7 @@
 
 from lightning_kl.accumulation import step_totals
 from lightning_kl.callback import KLRewardCallback
-from lightning_kl.controllers import AdaptiveKLController, FixedKLController, KLController
+from lightning_kl.controllers import AdaptiveKLController, FixedKLController, KLController, KLSchedule, TargetKLController
 from lightning_kl.estimators import (
     BASE_ESTIMATORS,
     ESTIMATORS,
@@ -49,6 +49,7 @@ __all__ = [
     "KLMetric",
     "KLPenaltyLoss",
     "KLRewardCallback",
+    "KLSchedule",
     "LEVELS",
     "Level",
     "OUTSIDE_MODES",
@@ -59,6 +60,7 @@ __all__ = [
     "SampledEstimatorName",
     "VocabShard",
     "SampledLogprobs",
+    "TargetKLController",
     "Sampling",
     "aggregate",
     "full_kl",
