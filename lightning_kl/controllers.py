@@ -285,39 +285,46 @@ class AdaptiveKLController(KLController):
 
 
 def target_kl_factor(current_kl: Number, target_kl: float, step_size: float) -> Number:
-    r"""The factor of one target-KL (dual ascent) update: :math:`\exp(\eta\,(\mathrm{KL}/\mathrm{KL}_{\mathrm{target}} - 1))`.
+    r"""The factor of one target-KL (dual ascent) update: :math:`\exp(\eta\, \operatorname{clip}(\mathrm{KL}/\mathrm{KL}_{\mathrm{target}} - 1, \pm 1))`.
 
     One step of dual ascent on :math:`\log\beta` for the constraint :math:`\mathrm{KL} \le
-    \mathrm{KL}_{\mathrm{target}}`, the constraint's violation measured relative to the budget so that
-    ``step_size`` has no units. The exponent is clipped to ``[-700, 700]`` (no overflow to inf, no
-    underflow to 0; the controller's bounds act long before). On Python floats or on tensors, the
-    same operations in the same order.
+    \mathrm{KL}_{\mathrm{target}}`, the violation measured relative to the budget (``step_size`` has
+    no units) and clipped to ``[-1, 1]``: a KL of 0 lowers :math:`\log\beta` by :math:`\eta`, a KL of
+    twice the budget or more raises it by :math:`\eta` (one noisy step cannot throw the coefficient
+    far; a negative ``k1`` estimate counts as 0). On Python floats or on tensors, the same operations
+    in the same order.
 
     Example:
         >>> target_kl_factor(2.0, 1.0, 0.1) == math.exp(0.1)  # twice the budget: log beta += 0.1
         True
+        >>> target_kl_factor(50.0, 1.0, 0.1) == math.exp(0.1)  # clipped
+        True
         >>> target_kl_factor(torch.tensor(1.0, dtype=torch.float64), 1.0, 0.1)  # at the budget: unchanged
         tensor(1., dtype=torch.float64)
     """
-    step = step_size * (current_kl / target_kl - 1.0)
-    if isinstance(step, Tensor):
-        return step.clamp(-700.0, 700.0).exp()
-    return math.exp(min(max(step, -700.0), 700.0))
+    error = current_kl / target_kl - 1.0
+    if isinstance(error, Tensor):
+        return (step_size * error.clamp(-1.0, 1.0)).exp()
+    return math.exp(step_size * min(max(error, -1.0), 1.0))
 
 
 class TargetKLController(KLController):
     r"""A KL budget: the coefficient as a Lagrange multiplier, moved by dual ascent on its log.
 
     .. math::
-        \log\beta \leftarrow \operatorname{clip}\!\Big(\log\beta + \eta\,\Big(\frac{\mathrm{KL}}{\mathrm{KL}_{\mathrm{target}}} - 1\Big),\
+        \log\beta \leftarrow \operatorname{clip}\!\Big(\log\beta + \eta\,\operatorname{clip}\!\Big(\frac{\mathrm{KL}}{\mathrm{KL}_{\mathrm{target}}} - 1,\ -1,\ 1\Big),\
         \log\beta_{\min},\ \log\beta_{\max}\Big)
 
     once per update (per optimizer step in :class:`~lightning_kl.KLPenaltyLoss`): a KL above the
     budget raises :math:`\beta`, below lowers it, at the budget leaves it. Unlike
     :class:`AdaptiveKLController` the step does not depend on the number of sequences (``n_steps``
-    only needs to be ``>= 1``; a batch with no sequence changes nothing) and the error is not
-    clipped: ``step_size`` sets the speed and the bounds cap it. Constrained RLHF treats the
-    coefficient this way (maximize the reward subject to a KL budget).
+    only needs to be ``>= 1``; a batch with no sequence changes nothing), and the relative error is
+    clipped to ``[-1, 1]``, so that one step moves :math:`\log\beta` by at most ``step_size``: a KL of
+    0 and a KL of twice the budget move it alike, down and up (:func:`target_kl_factor`).
+    Constrained RLHF treats the coefficient this way (maximize the reward subject to a KL budget).
+    The KL answers the coefficient with a delay (the policy drifts over several steps), so a large
+    ``step_size`` overshoots and oscillates; 0.05 to 0.2 per optimizer step suits runs of a few
+    hundred steps.
 
     **Units.** ``target_kl`` is in the units of the KL the controller is given. In
     :class:`~lightning_kl.KLPenaltyLoss` that is the loss's own KL, by its ``agg``: nats **per token**
@@ -328,17 +335,19 @@ class TargetKLController(KLController):
     Args:
         target_kl: the KL budget (``> 0``).
         init_kl_coef: the starting coefficient, within the bounds.
-        step_size: :math:`\eta > 0`, the change of :math:`\log\beta` for a KL twice the budget.
+        step_size: :math:`\eta > 0`, the largest change of :math:`\log\beta` in one update (for a KL
+            of twice the budget or more, or of 0).
         min_kl_coef, max_kl_coef: the bounds, ``0 < min <= max`` (finite).
 
     Example:
         >>> ctl = TargetKLController(target_kl=1.0, init_kl_coef=0.1, step_size=0.5, max_kl_coef=1.0)
-        >>> ctl.update(3.0, n_steps=8)  # KL 3x the budget: log beta += 0.5 * 2
-        >>> round(ctl.value, 6)  # 0.1 * e
-        0.271828
+        >>> ctl.update(1.5, n_steps=8)  # KL 1.5x the budget: log beta += 0.5 * 0.5
+        >>> round(ctl.value, 6)  # 0.1 * e ** 0.25
+        0.128403
         >>> ctl.update(1.0, n_steps=8); round(ctl.value, 6)  # at the budget: unchanged
-        0.271828
-        >>> ctl.update(20.0, n_steps=8); ctl.value  # far above: capped at max_kl_coef
+        0.128403
+        >>> for _ in range(5): ctl.update(20.0, n_steps=8)  # far above: log beta += 0.5 a step, to the bound
+        >>> ctl.value
         1.0
     """
 

@@ -35,8 +35,9 @@ WORKER = Path(__file__).with_name("_kl_control_worker.py")
 
 
 def target_rule(beta: float, kl: float, target: float, eta: float, lo: float, hi: float) -> float:
-    """log beta <- clip(log beta + eta (kl / target - 1), log lo, log hi), in float64."""
-    return min(max(beta * math.exp(eta * (kl / target - 1.0)), lo), hi)
+    """log beta <- clip(log beta + eta clip(kl / target - 1, -1, 1), log lo, log hi), in float64."""
+    error = min(max(kl / target - 1.0, -1.0), 1.0)
+    return min(max(math.exp(math.log(beta) + eta * error), lo), hi)
 
 
 def adaptive_rule(beta: float, kl: float, target: float, n: float, horizon: float) -> float:
@@ -56,7 +57,7 @@ def scale_rule(step: int, kind: str, warmup: int, total: Optional[int], final: f
 def test_target_controller_follows_dual_ascent_on_log_beta():
     ctl = lk.TargetKLController(target_kl=0.5, init_kl_coef=0.1, step_size=0.3, min_kl_coef=0.02, max_kl_coef=0.4)
     beta = 0.1
-    for kl in (0.9, 0.5, 0.2, 3.0, 4.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -0.4, 0.7):
+    for kl in (0.9, 0.5, 0.2, 3.0, 4.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -0.4, 0.7):
         ctl.update(kl, n_steps=3)
         beta = target_rule(beta, kl, 0.5, 0.3, 0.02, 0.4)
         assert ctl.value == pytest.approx(beta, rel=1e-14, abs=0)
@@ -79,8 +80,19 @@ def test_target_controller_edges_at_the_target_and_at_the_bounds():
     assert top.value == 0.5
     top.update(1e6, n_steps=1)  # a huge KL: no overflow, the bound
     assert top.value == 0.5
-    top.update(-1e6, n_steps=1)  # a hugely negative k1 estimate: no underflow to 0, the lower bound
+    top.update(-1e6, n_steps=1)  # a hugely negative k1 estimate counts as a KL of 0: log beta -= 1
+    assert top.value == pytest.approx(0.5 / math.e, rel=1e-15)
+    top.update(0.0, n_steps=1)  # 0.5 / e^2 < 0.1: the lower bound, exactly
     assert top.value == 0.1
+    # the clip of the relative error: twice the budget and fifty times it move alike, by exactly eta
+    a = lk.TargetKLController(target_kl=0.5, init_kl_coef=0.2, step_size=0.3)
+    b = lk.TargetKLController(target_kl=0.5, init_kl_coef=0.2, step_size=0.3)
+    a.update(1.0, n_steps=1)
+    b.update(25.0, n_steps=1)
+    assert a.value == b.value == 0.2 * math.exp(0.3)
+    c = lk.TargetKLController(target_kl=0.5, init_kl_coef=0.2, step_size=0.3)
+    c.update(0.999, n_steps=1)  # just inside the clip: less than eta
+    assert c.value < a.value
     low = lk.TargetKLController(target_kl=1.0, init_kl_coef=0.1, step_size=1.0, min_kl_coef=0.1, max_kl_coef=0.5)
     low.update(0.0, n_steps=5)
     assert low.value == 0.1
@@ -209,13 +221,14 @@ def test_update_coef_closes_the_step_from_its_micro_batches_in_the_units_of_agg(
     batches = [_batch(1, lengths=(6, 0, 2, 3)), _batch(2, lengths=(1, 5))]
     beta = 0.2
     for step in range(2):
-        assert loss.coef == beta
+        assert loss.coef == pytest.approx(beta, rel=1e-14)
+        used = loss.coef
         for b in batches:
-            plain = lk.KLPenaltyLoss("k3+", coef=beta, agg=agg)(b["logprob"], b["ref"], b["mask"])
+            plain = lk.KLPenaltyLoss("k3+", coef=used, agg=agg)(b["logprob"], b["ref"], b["mask"])
             assert torch.equal(loss(b["logprob"], b["ref"], b["mask"]), plain)  # the step's coefficient
         coef, kl = loss.update_coef()
         total, count, _ = step_stats(batches, agg)
-        assert coef.dtype == torch.float64 and float(coef) == beta
+        assert coef.dtype == torch.float64 and float(coef) == used
         assert_close(kl, torch.tensor(total / count, dtype=torch.float64), rtol=1e-6, atol=0)
         beta = target_rule(beta, float(kl), 0.05, 0.4, 1e-6, 100.0)
         assert loss.coef == pytest.approx(beta, rel=1e-14)
