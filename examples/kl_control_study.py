@@ -30,7 +30,7 @@ if str(Path(__file__).resolve().parent) not in sys.path:
 import _runs  # noqa: E402
 import frontier  # noqa: E402  (the choices and the config merge of the frontier sweep)
 
-KEYS = {"base_config", "overrides", "out", "target_kl", "controller", "seeds", "choices", "fixed"}
+KEYS = {"base_config", "overrides", "out", "target_kl", "controller", "seeds", "choices", "fixed", "frontier"}
 FIELDS = ("choice", "mode", "seed", "target_kl", "kl_controlled", "kl_exact", "kl_controlled_last", "kl_exact_last",
           "coef_final", "reward", "steps", "seconds")
 
@@ -122,32 +122,50 @@ def read(path: Path) -> list[dict[str, Any]]:
         return list(csv.DictReader(f))
 
 
+def groups(rows: list[dict[str, Any]]) -> list[tuple[str, str, list[dict[str, Any]]]]:
+    """The rows by (choice, mode), in the order of the CSV."""
+    out: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        out.setdefault((r["choice"], r["mode"]), []).append(r)
+    return [(c, m, rs) for (c, m), rs in out.items()]
+
+
+def mean_std(xs: list[float], digits: int = 2) -> str:
+    m = sum(xs) / len(xs)
+    if len(xs) == 1:
+        return f"{m:.{digits}f}"
+    s = (sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5
+    return f"{m:.{digits}f}±{s:.{digits}f}"
+
+
 def report(study: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     target = float(study["target_kl"])
     lines = [
-        f"Target {target:g} nats per response; controller {study['controller']}; means over the last three quarters "
-        "(and the last quarter) of the rollouts.",
+        f"Target {target:g} nats per response; controller {study['controller']}. Per run, the means over the last "
+        "three quarters of the rollouts; mean±std over the seeds; 'within 10%': the seeds whose exact KL is.",
         "",
-        "| choice | coefficient | controlled KL (the estimator's) | exact KL | within 10% (exact) | final coef | reward |",
-        "|---|---|---|---|---|---|---|",
+        "| choice | coefficient | seeds | controlled KL (the estimator's) | exact KL | within 10% (exact) | final coef | reward |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for r in rows:
-        exact = float(r["kl_exact"])
-        ok = "yes" if abs(exact / target - 1) <= 0.1 else "no"
-        how = "TargetKLController" if r["mode"] == "target" else f"fixed {float(study['controller']['init_kl_coef']):g}"
+    for choice, mode, rs in groups(rows):
+        exact = [float(r["kl_exact"]) for r in rs]
+        ok = sum(abs(x / target - 1) <= 0.1 for x in exact)
+        how = "TargetKLController" if mode == "target" else f"fixed {float(study['controller']['init_kl_coef']):g}"
         lines.append(
-            f"| {r['choice']} | {how} | {float(r['kl_controlled']):.2f} ({float(r['kl_controlled_last']):.2f}) | "
-            f"{exact:.2f} ({float(r['kl_exact_last']):.2f}) | {ok if r['mode'] == 'target' else '-'} | "
-            f"{float(r['coef_final']):.4g} | {float(r['reward']):.3f} |"
+            f"| {choice} | {how} | {len(rs)} | {mean_std([float(r['kl_controlled']) for r in rs])} | {mean_std(exact)} | "
+            f"{f'{ok} of {len(rs)}' if mode == 'target' else '-'} | "
+            f"{mean_std([float(r['coef_final']) for r in rs], 4) if mode == 'target' else '-'} | "
+            f"{mean_std([float(r['reward']) for r in rs], 3)} |"
         )
     return "\n".join(lines)
 
 
 def plot(study: dict[str, Any], rows: list[dict[str, Any]], out: Path) -> None:
     plt = _runs.pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    frontier_curves = study.get("frontier") or {}
+    fig, axes = plt.subplots(1, 3 if frontier_curves else 2, figsize=(17 if frontier_curves else 12, 4.2))
     colors: dict[str, Any] = {}
-    for r in rows:
+    for r in [r for r in rows if int(r["seed"]) == int(study["seeds"][0])]:  # the first seed's trajectories
         series = _runs.read_metrics(r["metrics"])
         color = colors.setdefault(r["choice"], f"C{len(colors)}")
         style = "-" if r["mode"] == "target" else ":"
@@ -163,10 +181,26 @@ def plot(study: dict[str, Any], rows: list[dict[str, Any]], out: Path) -> None:
     axes[0].set_title("exact KL per response (from logits)")
     axes[1].set_yscale("log")
     axes[1].set_title("loss coefficient")
-    for ax in axes:
+    for ax in axes[:2]:
         ax.set_xlabel("optimizer step (rollout)")
         ax.axvline(int(rows[0]["steps"]) / 4 if rows else 0, color="gray", lw=0.5)
     axes[0].legend(fontsize=7)
+    if frontier_curves:
+        ax = axes[2]
+        for name, points in frontier_curves.items():
+            color = colors.setdefault(name, f"C{len(colors)}")
+            ax.plot([k for k, _ in points], [r for _, r in points], "-", color=color, alpha=0.5, label=f"{name}: frontier")
+        for choice, mode, rs in groups(rows):
+            marker = "*" if mode == "target" else "o"
+            kl = sum(float(r["kl_exact"]) for r in rs) / len(rs)
+            reward = sum(float(r["reward"]) for r in rs) / len(rs)
+            ax.plot(kl, reward, marker, color=colors[choice], ms=11 if marker == "*" else 6)
+        ax.axvspan(0.9 * target, 1.1 * target, color="gray", alpha=0.15)
+        ax.set_xscale("log")
+        ax.set_xlabel("exact KL per response")
+        ax.set_ylabel("reward")
+        ax.set_title("on the frontier (curves: fixed-coefficient sweep; *: target, o: fixed)", fontsize=9)
+        ax.legend(fontsize=7)
     _runs.save_figure(fig, f"TargetKLController toward {target:g} nats/response vs a fixed coefficient (toy, GRPO)", out)
 
 

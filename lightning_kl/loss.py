@@ -151,7 +151,8 @@ class KLPenaltyLoss(nn.Module):
     :class:`~lightning_kl.AdaptiveKLController`, :class:`~lightning_kl.FixedKLController`, a
     :class:`~lightning_kl.KLSchedule`; in YAML by ``class_path``), every forward multiplies by the
     controller's coefficient, a float64 0-d tensor on the loss's device (no host read), and adds the
-    detached KL of its micro-batch to the step's sums. :meth:`update_coef` closes the optimizer step:
+    detached KL of its micro-batch to the step's sums (in training mode only: a validation forward,
+    in ``eval()`` mode, adds nothing). :meth:`update_coef` closes the optimizer step:
     it sums those over the data parallel group (one ``all_reduce`` of three numbers, the group found
     as for ``global_batch``), so that every process gets the same global KL, and updates the
     controller with it. In a Lightning ``Trainer`` the :class:`~lightning_kl.trainer_hooks.KLLossCallback`
@@ -336,8 +337,9 @@ class KLPenaltyLoss(nn.Module):
     def _apply_coef(self, agg: Tensor, kl: Tensor, mask: Optional[Tensor]) -> Tensor:
         if self.controller is None:
             return self._coef * agg
-        stats = controlled_kl_statistics(kl, mask, self.agg)
-        self._step_stats = stats if self._step_stats is None else self._step_stats + stats
+        if self.training:  # a validation forward (the module in eval mode) is no part of a training step
+            stats = controlled_kl_statistics(kl, mask, self.agg)
+            self._step_stats = stats if self._step_stats is None else self._step_stats + stats
         # the step's coefficient, a device tensor (no host read), rounded to the loss's dtype as a float is
         return self.controller.value_tensor(agg.device).to(agg.dtype) * agg
 

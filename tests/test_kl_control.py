@@ -239,6 +239,12 @@ def test_update_coef_closes_the_step_from_its_micro_batches_in_the_units_of_agg(
     coef, kl = loss.update_coef()
     assert math.isnan(float(kl)) and loss.coef == before
     assert loss.update_coef()[0] == before  # no forward at all: nothing changes either
+    # a forward in eval mode (validation) adds nothing to the step
+    loss.eval()
+    b = batches[0]
+    loss(b["logprob"], b["ref"], b["mask"])
+    loss.train()
+    assert math.isnan(float(loss.update_coef()[1])) and loss.coef == before
     # a number coef has no step to close
     assert lk.KLPenaltyLoss("k3+", coef=0.1).update_coef() is None
 
@@ -521,3 +527,36 @@ def test_ddp_ranks_agree_on_the_coefficient_of_the_global_kl(tmp_path):
         local = [target_rule(coef, r["stats"][step][0] / r["stats"][step][1], worker.TARGET, worker.STEP_SIZE, 1e-6, 100.0) for r in records]
         assert all(abs(x - beta) > 1e-6 * beta for x in local)
     assert records[0]["final"] == records[1]["final"] == pytest.approx(beta, rel=1e-6)
+
+
+# the toy example's config with a TargetKLController
+
+
+def test_the_toy_example_runs_its_target_kl_config(tmp_path, monkeypatch):
+    import importlib.util
+
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    toy = sys.modules.get("toy_rlhf")
+    if toy is None:
+        spec = importlib.util.spec_from_file_location("toy_rlhf", examples / "toy_rlhf.py")
+        toy = importlib.util.module_from_spec(spec)
+        sys.modules["toy_rlhf"] = toy  # jsonargparse looks classes up by module name
+        spec.loader.exec_module(toy)
+    monkeypatch.setattr(sys, "argv", ["toy_rlhf.py"])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        cli = toy.main([
+            "fit", "--config", str(examples / "configs" / "grpo_k3plus_target.yaml"), "--trainer.max_steps=3",
+            "--trainer.logger=false", "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+            f"--trainer.default_root_dir={tmp_path}", f"--model.cache_dir={tmp_path / 'ref'}", "--model.d_model=16",
+            "--model.n_layer=1", "--model.n_head=2", "--model.pretrain_steps=3", "--model.pretrain_batch_size=8",
+            "--data.prompts_per_rollout=2", "--data.group_size=2", "--data.max_new_tokens=4", "--data.reference_samples=16",
+        ])
+    finally:
+        torch.set_num_threads(threads)
+    ctl = cli.model.kl.controller
+    assert isinstance(ctl, lk.TargetKLController) and (ctl.target_kl, ctl.step_size) == (4.0, 0.1)
+    assert cli.model.kl.agg == "seq-mean-token-sum"
+    assert ctl.value != 0.05  # three optimizer steps moved it
+    assert {"kl/coef", "kl/value"} <= set(cli.trainer.callback_metrics)
