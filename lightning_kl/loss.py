@@ -11,7 +11,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_kl.accumulation import check_accumulate_grad_batches
-from lightning_kl.controllers import FixedKLController, KLController
+from lightning_kl.controllers import KLController
 from lightning_kl.estimators import EstimatorName, parse_estimator
 from lightning_kl.functional import aggregate, aggregate_counts, check_old_logprob, check_pair, kl_penalty_compute
 from lightning_kl.ground.checks import (
@@ -41,6 +41,7 @@ from lightning_kl.sequence import (
 )
 
 __all__ = ["KLPenaltyLoss"]
+
 
 def controlled_kl_statistics(kl: Tensor, mask: Optional[Tensor], agg: str) -> Tensor:
     """The KL sums a controller of the loss sees: float64 ``[sum, count, sequences]`` of a micro-batch.
