@@ -19,7 +19,9 @@ step's gradient used the step's coefficient and the next step gets the updated o
 Trainer's first optimizer closes steps. It logs ``kl/coef`` (the coefficient the step used) and
 ``kl/value`` (the step's global KL); with several controlled losses, or a
 :class:`~lightning_kl.KLRewardCallback` logging under ``kl/`` too, the names end with the loss's name
-in the module (``kl/coef/kl_loss``). At ``on_train_start`` it refuses one controller object shared by
+in the module (``kl/coef/kl_loss``). A non-finite global KL leaves the coefficient unchanged and is
+raised as a ``ValueError`` every ``log_every_n_steps`` batches and at the end of each epoch (where
+the host reads the coefficient), as :class:`~lightning_kl.KLRewardCallback` does. At ``on_train_start`` it refuses one controller object shared by
 two users (two losses, or a loss and a ``KLRewardCallback``): each would update it with its own KL.
 """
 
@@ -103,6 +105,23 @@ class KLLossCallback(Callback):
             tail = f"/{name}" if suffix else ""
             pl_module.log(f"kl/coef{tail}", used[0], on_step=True, on_epoch=False, batch_size=1)
             pl_module.log(f"kl/value{tail}", used[1], on_step=True, on_epoch=False, batch_size=1)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if (batch_idx + 1) % max(1, trainer.log_every_n_steps) == 0:
+            self._raise_pending()  # as often as Lightning's loggers read the logged values
+
+    @override
+    def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._raise_pending()
+
+    def _raise_pending(self) -> None:
+        # reading a coefficient raises the fault its controller recorded on the device (a non-finite
+        # global KL, the same on every rank, so every rank raises alike)
+        for _, loss in self._controlled():
+            _ = loss.coef
 
     def _controlled(self) -> list[tuple[str, KLPenaltyLoss]]:
         return [(name, m) for name, m in getattr(self, "_losses", ()) if m.controller is not None]

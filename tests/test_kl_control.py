@@ -434,6 +434,20 @@ def test_two_controlled_losses_log_under_their_names(tmp_path):
     assert math.isnan(float(trainer.callback_metrics["kl/value/kl2"]))
 
 
+def test_a_non_finite_global_kl_is_raised_from_fit_and_leaves_the_coefficient(tmp_path):
+    class Poisoned(Controlled):
+        def train_dataloader(self) -> Any:
+            batches = with_totals([loop_batch(i) for i in range(2 * ACCUM)])
+            batches[2]["ref"][0, 0] = float("inf")  # a valid position of step 1: its KL is inf
+            return torch.utils.data.DataLoader(batches, batch_size=None)
+
+    model = Poisoned(lk.TargetKLController(target_kl=0.05, init_kl_coef=0.3, step_size=0.5))
+    with pytest.raises(ValueError, match="non-finite KL"):
+        make_quiet_trainer(tmp_path, max_steps=2, accumulate_grad_batches=ACCUM, log_every_n_steps=1).fit(model)
+    total, count, _ = step_stats([b for s, _, b in model.seen if s == 0], "token-mean")
+    assert model.kl.coef == pytest.approx(target_rule(0.3, total / count, 0.05, 0.5, 1e-6, 100.0), rel=1e-6)
+
+
 # resume: a checkpoint at the end of epoch 0 (2 optimizer steps), then 3 more
 
 
