@@ -221,6 +221,33 @@ def _controller_call(device: torch.device, adaptive: bool) -> Callable[[], Any]:
     return call
 
 
+def _new_controller_call(device: torch.device, kind: str) -> Callable[[], Any]:
+    target = lk.TargetKLController(target_kl=1.0, init_kl_coef=0.1, step_size=0.2)
+    c = target if kind == "target" else lk.KLSchedule(target, kind="cosine", warmup_steps=2, total_steps=10)
+    kl, n = torch.tensor(0.5, dtype=torch.float64, device=device), torch.tensor(8.0, dtype=torch.float64, device=device)
+    c.value_tensor(device)
+
+    def call() -> None:
+        c.update(kl, n)
+        c.value_tensor(device)
+
+    return call
+
+
+def _controlled_loss_call(device: torch.device) -> Callable[[], Any]:
+    """A controller-driven ``KLPenaltyLoss``: two micro-batches' forward and backward, then ``update_coef``."""
+    loss_fn = lk.KLPenaltyLoss("k3+", coef=lk.TargetKLController(target_kl=0.5, init_kl_coef=0.1), agg="seq-mean-token-sum").to(device)
+    logprob, ref, mask = sampled_inputs((4, 8), torch.float32, device)
+    loss_fn.update_coef(device=device)  # the coefficient on the device before the check
+
+    def call() -> None:
+        for _ in range(2):
+            loss_fn(logprob, ref, mask).backward()
+        loss_fn.update_coef()
+
+    return call
+
+
 def _controller_read(device: torch.device) -> Callable[[], Any]:
     c = lk.AdaptiveKLController(0.1, 6.0, 100)
     c.update(torch.tensor(0.5, dtype=torch.float64, device=device), torch.tensor(8.0, dtype=torch.float64, device=device))
@@ -366,6 +393,9 @@ SYNC_CALLS: list[SyncCall] = [
     SyncCall("KLMetric update+compute (no mask)", ("KLMetric",), lambda d: _metric_call(d, False), syncs=_H2D + ": the token count (metric.py)", kind="copy"),
     SyncCall("FixedKLController.update(tensors)", ("FixedKLController", "KLController"), lambda d: _controller_call(d, False)),
     SyncCall("AdaptiveKLController.update(tensors)", ("AdaptiveKLController", "KLController"), lambda d: _controller_call(d, True)),
+    SyncCall("TargetKLController.update(tensors)", ("TargetKLController", "KLController"), lambda d: _new_controller_call(d, "target")),
+    SyncCall("KLSchedule(TargetKLController).update(tensors)", ("KLSchedule", "TargetKLController"), lambda d: _new_controller_call(d, "schedule")),
+    SyncCall("KLPenaltyLoss(coef=TargetKLController): 2 x forward+backward, update_coef", ("KLPenaltyLoss", "TargetKLController"), _controlled_loss_call),
     SyncCall("KLController.value (a float: reads the device by design)", ("KLController",), _controller_read, syncs="a Python float of a device tensor, by design (checkpoints, every log_every_n_steps)", kind="design"),
     SyncCall("KLRewardCallback.shape_rewards + update_controller (per-sequence scores)", ("KLRewardCallback",), _shape_rewards_call),
     SyncCall("KLRewardCallback.on_train_batch_start in a Trainer", ("KLRewardCallback",), _callback_call, guards_itself=True),

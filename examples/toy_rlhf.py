@@ -46,7 +46,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
 import torch
@@ -362,7 +362,9 @@ class ToyRLHF(pl.LightningModule):
         lr: the RL learning rate (AdamW).
         kl_estimator: the KL estimator of the loss (one of ``lightning_kl.ESTIMATORS``), or None
             for no KL in the loss (KL in the reward only, through ``KLRewardCallback``).
-        kl_coef, kl_agg: the loss coefficient and aggregation of :class:`lightning_kl.KLPenaltyLoss`.
+        kl_coef, kl_agg: the loss coefficient and aggregation of :class:`lightning_kl.KLPenaltyLoss`;
+            the coefficient is a number or a controller (``class_path: lightning_kl.TargetKLController``
+            in the YAML), moved once per optimizer step by the KL of that step.
         kl_level: ``"token"`` (each token's KL given its prefix) or ``"sequence"`` (the KL of whole
             responses: the loss adds the KL-to-go gradient term; see :mod:`lightning_kl.sequence`).
         advantage: ``"grpo"`` (returns normalized within each prompt's group) or ``"rtg"``
@@ -388,7 +390,7 @@ class ToyRLHF(pl.LightningModule):
         cache_dir: str = "runs/toy_rlhf/reference",
         lr: float = 1e-3,
         kl_estimator: Optional[lk.EstimatorName] = "k3+",
-        kl_coef: float = 0.3,
+        kl_coef: Union[float, lk.KLController] = 0.3,
         kl_agg: lk.AggMode = "token-mean",
         kl_level: lk.Level = "token",
         advantage: str = "grpo",
@@ -568,16 +570,16 @@ def plot_run(
     ax = axes[1]
     ax.plot(*xy("train/kl"), label="exact KL (from logits)")
     if "kl/value" in series:
-        ax.plot(*xy("kl/value"), alpha=0.7, label="KLRewardCallback estimate")
+        ax.plot(*xy("kl/value"), alpha=0.7, label="the controller's KL (estimate)")
     if "train/kl_est" in series:
         ax.plot(*xy("train/kl_est"), alpha=0.7, label="KLPenaltyLoss estimate")
     if target_kl is not None:
         ax.axhline(target_kl, color="gray", ls="--", label="target")
-    ax.set_title("KL(policy || reference) per token")
+    ax.set_title("KL(policy || reference)")
     ax.legend()
     ax = axes[2]
     if "kl/coef" in series:
-        ax.plot(*xy("kl/coef"), label="beta in the reward")
+        ax.plot(*xy("kl/coef"), label="the controlled coefficient")
     if "train/kl_loss_coef" in series:
         ax.plot(*xy("train/kl_loss_coef"), label="coef in the loss")
     ax.set_title("KL coefficient")
@@ -588,6 +590,11 @@ def plot_run(
 
 
 def find_target_kl(trainer: pl.Trainer) -> Optional[float]:
+    loss = getattr(trainer.lightning_module, "kl", None)
+    ctl = getattr(loss, "controller", None)
+    ctl = getattr(ctl, "controller", ctl)  # a KLSchedule's controller
+    if isinstance(ctl, (lk.AdaptiveKLController, lk.TargetKLController)):
+        return ctl.target_kl
     for cb in trainer.callbacks:
         if isinstance(cb, lk.KLRewardCallback) and isinstance(cb.controller, lk.AdaptiveKLController):
             return cb.controller.target_kl
@@ -641,7 +648,7 @@ class ToyRLHFCLI(LightningCLI):
             lines.append(f"           last quarter {_runs.last_quarter_mean(_runs.values(series['train/kl_response'])):.4f} nats/response (exact)")
         if target_kl is not None and "kl/value" in series:
             lines.append(
-                f"  control: target {target_kl:g}; KLRewardCallback KL over the last quarter "
+                f"  control: target {target_kl:g}; the controller's KL over the last quarter "
                 f"{_runs.last_quarter_mean(_runs.values(series['kl/value'])):.4f}, beta {series['kl/coef'][0][1]:.4f} -> {series['kl/coef'][-1][1]:.4f}"
             )
         lines += [

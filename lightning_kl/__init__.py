@@ -6,7 +6,7 @@ settle_vector_math()  # first of all: oneMKL picks its exp/log kernels at this c
 
 from lightning_kl.accumulation import step_totals
 from lightning_kl.callback import KLRewardCallback
-from lightning_kl.controllers import AdaptiveKLController, FixedKLController, KLController
+from lightning_kl.controllers import AdaptiveKLController, FixedKLController, KLController, KLSchedule, TargetKLController
 from lightning_kl.estimators import (
     BASE_ESTIMATORS,
     ESTIMATORS,
@@ -53,6 +53,7 @@ __all__ = [
     "KLMetric",
     "KLPenaltyLoss",
     "KLRewardCallback",
+    "KLSchedule",
     "LEVELS",
     "Level",
     "OUTSIDE_MODES",
@@ -63,6 +64,7 @@ __all__ = [
     "SampledEstimatorName",
     "VocabShard",
     "SampledLogprobs",
+    "TargetKLController",
     "Sampling",
     "aggregate",
     "full_kl",

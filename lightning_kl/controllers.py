@@ -27,7 +27,17 @@ from typing import Any, Optional, TypeVar, Union
 import torch
 from torch import Tensor
 
-__all__ = ["AdaptiveKLController", "FixedKLController", "KLController", "adaptive_kl_factor"]
+__all__ = [
+    "AdaptiveKLController",
+    "FixedKLController",
+    "KLController",
+    "KLSchedule",
+    "SCHEDULE_KINDS",
+    "TargetKLController",
+    "adaptive_kl_factor",
+    "schedule_scale",
+    "target_kl_factor",
+]
 
 Number = TypeVar("Number", float, Tensor)
 
@@ -128,7 +138,7 @@ class KLController(ABC):
             return
         if factor <= 0:
             raise ValueError(self._non_positive_message(n_steps, factor))
-        self.value = self.value * factor
+        self.value = self._bounded(self.value * factor)
 
     def _factor(self, current_kl: Number, n_steps: Number) -> Optional[Number]:
         """The multiplicative update of the coefficient for this batch; ``None`` for a constant.
@@ -138,6 +148,10 @@ class KLController(ABC):
         from the callback, which ``float()`` reads).
         """
         raise NotImplementedError(f"{type(self).__name__} must implement `_factor` or `update`.")
+
+    def _bounded(self, value: Number) -> Number:
+        """The coefficient after an update, kept within the controller's bounds (none here)."""
+        return value
 
     def _non_positive_message(self, n_steps: float, factor: float) -> str:
         return f"{type(self).__name__}: the update factor would be {factor:g} for a batch of {n_steps:g} sequences."
@@ -171,7 +185,7 @@ class KLController(ABC):
             code = torch.where(non_positive, _NON_POSITIVE, code)
             apply = apply & ~non_positive
             # a new tensor, never in place: a coefficient handed out earlier keeps its value
-            self._value = torch.where(apply, value * factor, value)
+            self._value = torch.where(apply, self._bounded(value * factor), value)
         fault = torch.stack([code.to(torch.float64), kl, n])
         if self._fault is None:
             self._fault = torch.zeros(3, dtype=torch.float64, device=device)
@@ -268,3 +282,251 @@ class AdaptiveKLController(KLController):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # the coefficient is the state; target and horizon are configuration and stay as constructed
         self.value = float(state_dict["value"])
+
+
+def target_kl_factor(current_kl: Number, target_kl: float, step_size: float) -> Number:
+    r"""The factor of one target-KL (dual ascent) update: :math:`\exp(\eta\, \operatorname{clip}(\mathrm{KL}/\mathrm{KL}_{\mathrm{target}} - 1, \pm 1))`.
+
+    One step of dual ascent on :math:`\log\beta` for the constraint :math:`\mathrm{KL} \le
+    \mathrm{KL}_{\mathrm{target}}`, the violation measured relative to the budget (``step_size`` has
+    no units) and clipped to ``[-1, 1]``: a KL of 0 lowers :math:`\log\beta` by :math:`\eta`, a KL of
+    twice the budget or more raises it by :math:`\eta` (one noisy step cannot throw the coefficient
+    far; a negative ``k1`` estimate counts as 0). On Python floats or on tensors, the same operations
+    in the same order.
+
+    Example:
+        >>> target_kl_factor(2.0, 1.0, 0.1) == math.exp(0.1)  # twice the budget: log beta += 0.1
+        True
+        >>> target_kl_factor(50.0, 1.0, 0.1) == math.exp(0.1)  # clipped
+        True
+        >>> target_kl_factor(torch.tensor(1.0, dtype=torch.float64), 1.0, 0.1)  # at the budget: unchanged
+        tensor(1., dtype=torch.float64)
+    """
+    error = current_kl / target_kl - 1.0
+    if isinstance(error, Tensor):
+        return (step_size * error.clamp(-1.0, 1.0)).exp()
+    return math.exp(step_size * min(max(error, -1.0), 1.0))
+
+
+class TargetKLController(KLController):
+    r"""A KL budget: the coefficient as a Lagrange multiplier, moved by dual ascent on its log.
+
+    .. math::
+        \log\beta \leftarrow \operatorname{clip}\!\Big(\log\beta + \eta\,\operatorname{clip}\!\Big(\frac{\mathrm{KL}}{\mathrm{KL}_{\mathrm{target}}} - 1,\ -1,\ 1\Big),\
+        \log\beta_{\min},\ \log\beta_{\max}\Big)
+
+    once per update (per optimizer step in :class:`~lightning_kl.KLPenaltyLoss`): a KL above the
+    budget raises :math:`\beta`, below lowers it, at the budget leaves it. Unlike
+    :class:`AdaptiveKLController` the step does not depend on the number of sequences (``n_steps``
+    only needs to be ``>= 1``; a batch with no sequence changes nothing), and the relative error is
+    clipped to ``[-1, 1]``, so that one step moves :math:`\log\beta` by at most ``step_size``: a KL of
+    0 and a KL of twice the budget move it alike, down and up (:func:`target_kl_factor`).
+    Constrained RLHF treats the coefficient this way (maximize the reward subject to a KL budget).
+    The KL answers the coefficient with a delay (the policy drifts over several steps), so a large
+    ``step_size`` overshoots and oscillates; 0.05 to 0.2 per optimizer step suits runs of a few
+    hundred steps.
+
+    **Units.** ``target_kl`` is in the units of the KL the controller is given. In
+    :class:`~lightning_kl.KLPenaltyLoss` that is the loss's own KL, by its ``agg``: nats **per token**
+    for ``token-mean`` and ``seq-mean-token-mean``, nats **per response** for ``seq-mean-token-sum``,
+    ``seq-mean-token-sum-norm`` and ``token-sum``. In :class:`~lightning_kl.KLRewardCallback` it is
+    the mean over sequences of each sequence's token-mean KL (per token).
+
+    Args:
+        target_kl: the KL budget (``> 0``).
+        init_kl_coef: the starting coefficient, within the bounds.
+        step_size: :math:`\eta > 0`, the largest change of :math:`\log\beta` in one update (for a KL
+            of twice the budget or more, or of 0).
+        min_kl_coef, max_kl_coef: the bounds, ``0 < min <= max`` (finite).
+
+    Example:
+        >>> ctl = TargetKLController(target_kl=1.0, init_kl_coef=0.1, step_size=0.5, max_kl_coef=1.0)
+        >>> ctl.update(1.5, n_steps=8)  # KL 1.5x the budget: log beta += 0.5 * 0.5
+        >>> round(ctl.value, 6)  # 0.1 * e ** 0.25
+        0.128403
+        >>> ctl.update(1.0, n_steps=8); round(ctl.value, 6)  # at the budget: unchanged
+        0.128403
+        >>> for _ in range(5): ctl.update(20.0, n_steps=8)  # far above: log beta += 0.5 a step, to the bound
+        >>> ctl.value
+        1.0
+    """
+
+    def __init__(
+        self,
+        target_kl: float = 1.0,
+        init_kl_coef: float = 0.01,
+        step_size: float = 0.1,
+        min_kl_coef: float = 1e-6,
+        max_kl_coef: float = 100.0,
+    ) -> None:
+        self.target_kl = _check_number("target_kl", target_kl, positive=True)
+        self.step_size = _check_number("step_size", step_size, positive=True)
+        self.min_kl_coef = _check_number("min_kl_coef", min_kl_coef, positive=True)
+        self.max_kl_coef = _check_number("max_kl_coef", max_kl_coef, positive=True)
+        if self.min_kl_coef > self.max_kl_coef:
+            raise ValueError(
+                f"`min_kl_coef` ({min_kl_coef!r}) must be <= `max_kl_coef` ({max_kl_coef!r})."
+            )
+        init = _check_number("init_kl_coef", init_kl_coef, positive=True)
+        if not self.min_kl_coef <= init <= self.max_kl_coef:
+            raise ValueError(
+                f"`init_kl_coef` must be within [min_kl_coef, max_kl_coef] = [{min_kl_coef!r}, {max_kl_coef!r}], "
+                f"got {init_kl_coef!r}."
+            )
+        self.value = init
+
+    def _factor(self, current_kl: Number, n_steps: Number) -> Number:
+        return target_kl_factor(current_kl, self.target_kl, self.step_size)
+
+    def _bounded(self, value: Number) -> Number:
+        if isinstance(value, Tensor):
+            return value.clamp(self.min_kl_coef, self.max_kl_coef)
+        return min(max(value, self.min_kl_coef), self.max_kl_coef)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"value": self.value, "target_kl": self.target_kl, "step_size": self.step_size}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # the coefficient is the state; the budget, the step and the bounds stay as constructed
+        self.value = float(state_dict["value"])
+
+
+#: The shapes of :class:`KLSchedule` after its warm-up.
+SCHEDULE_KINDS = ("constant", "linear", "cosine")
+
+
+def schedule_scale(step: int, kind: str, warmup_steps: int, total_steps: Optional[int], final_scale: float) -> float:
+    r"""The multiplier of a :class:`KLSchedule` after ``step`` updates (optimizer steps).
+
+    Warm-up: ``step / warmup_steps`` for ``step < warmup_steps`` (0 at the first step). Then 1
+    (``constant``), or from 1 at ``warmup_steps`` to ``final_scale`` at ``total_steps`` and after it,
+    along a line (``linear``) or a half cosine (``cosine``,
+    :math:`f + (1 - f)\,\tfrac12(1 + \cos \pi p)` with :math:`p` the progress in ``[0, 1]``).
+
+    Example:
+        >>> [schedule_scale(s, "linear", 2, 6, 0.0) for s in range(8)]
+        [0.0, 0.5, 1.0, 0.75, 0.5, 0.25, 0.0, 0.0]
+        >>> schedule_scale(4, "cosine", 0, 8, 0.0)  # half way down the cosine
+        0.5
+    """
+    if step < warmup_steps:
+        return step / warmup_steps
+    if kind == "constant":
+        return 1.0
+    assert total_steps is not None
+    progress = min(1.0, (step - warmup_steps) / (total_steps - warmup_steps))
+    if kind == "linear":
+        return 1.0 + (final_scale - 1.0) * progress
+    return final_scale + (1.0 - final_scale) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def _check_steps(name: str, value: Any, least: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"`{name}` must be an integer >= {least}, got {value!r}.")
+    return value
+
+
+class KLSchedule(KLController):
+    r"""A coefficient schedule over steps: warm-up, then constant, linear or cosine, times a controller.
+
+    The coefficient is ``controller.value * schedule_scale(step, ...)`` (see :func:`schedule_scale`),
+    with ``step`` the number of updates so far: in :class:`~lightning_kl.KLPenaltyLoss` one per
+    optimizer step, in :class:`~lightning_kl.KLRewardCallback` one per batch. Alone (``controller`` a
+    number) it is a schedule of a fixed coefficient; with a controller it scales that controller's
+    coefficient, which goes on observing every KL (an adaptive or target-KL coefficient with a
+    warm-up, or decayed toward the end). The step count and the controller's state travel in
+    :meth:`state_dict`.
+
+    Args:
+        controller: the coefficient to schedule: a number (``>= 0``, a fixed coefficient) or a
+            :class:`KLController`.
+        kind: one of :data:`SCHEDULE_KINDS`: ``"constant"`` (warm-up only), ``"linear"`` or ``"cosine"``.
+        warmup_steps: steps of linear warm-up from 0 (``>= 0``; 0: none).
+        total_steps: ``linear`` and ``cosine``: the step at which the scale reaches ``final_scale``
+            (``> warmup_steps``); ``constant``: None.
+        final_scale: ``linear`` and ``cosine``: the scale at ``total_steps`` and after (``>= 0``; 0 by
+            default: the coefficient decays to 0).
+
+    Setting :attr:`value` sets the controller's coefficient (the one before scaling).
+
+    Example:
+        >>> sched = KLSchedule(0.1, kind="cosine", warmup_steps=2, total_steps=6)
+        >>> values = []
+        >>> for _ in range(7):
+        ...     values.append(round(sched.value, 4)); sched.update(0.5, n_steps=4)
+        >>> values
+        [0.0, 0.05, 0.1, 0.0854, 0.05, 0.0146, 0.0]
+    """
+
+    def __init__(
+        self,
+        controller: Union[float, KLController] = 0.001,
+        kind: str = "constant",
+        warmup_steps: int = 0,
+        total_steps: Optional[int] = None,
+        final_scale: float = 0.0,
+    ) -> None:
+        if isinstance(controller, KLController):
+            self.controller = controller
+        elif isinstance(controller, (int, float)) and not isinstance(controller, bool):
+            self.controller = FixedKLController(_check_number("controller", controller, positive=False))
+        else:
+            raise ValueError(f"`controller` must be a number >= 0 or a KLController, got {controller!r}.")
+        if kind not in SCHEDULE_KINDS:
+            raise ValueError(f"`kind` must be one of {', '.join(map(repr, SCHEDULE_KINDS))}, got {kind!r}.")
+        self.kind = kind
+        self.warmup_steps = _check_steps("warmup_steps", warmup_steps, 0)
+        if kind == "constant":
+            if total_steps is not None or final_scale != 0.0:
+                raise ValueError(
+                    "KLSchedule(kind='constant') takes no `total_steps` or `final_scale` (it keeps the scale at 1 "
+                    f"after the warm-up), got total_steps={total_steps!r}, final_scale={final_scale!r}; use "
+                    "kind='linear' or 'cosine' for a decay."
+                )
+        else:
+            if total_steps is None:
+                raise ValueError(f"KLSchedule(kind={kind!r}) needs `total_steps` (> warmup_steps={warmup_steps}).")
+            _check_steps("total_steps", total_steps, self.warmup_steps + 1)
+        self.total_steps = total_steps
+        self.final_scale = _check_number("final_scale", final_scale, positive=False)
+        self.step = 0
+
+    @property
+    def scale(self) -> float:
+        """The schedule's multiplier at the current step."""
+        return schedule_scale(self.step, self.kind, self.warmup_steps, self.total_steps, self.final_scale)
+
+    @property
+    def value(self) -> float:  # type: ignore[override]
+        """The scheduled coefficient as a Python float (reads the device; raises the controller's fault)."""
+        return self.controller.value * self.scale
+
+    @value.setter
+    def value(self, value: float) -> None:
+        self.controller.value = value
+
+    def value_tensor(self, device: Optional[Union[torch.device, str]] = None) -> Tensor:
+        """The scheduled coefficient as a float64 0-d tensor on ``device``: a new tensor, no host read."""
+        return self.controller.value_tensor(device) * self.scale
+
+    def update(self, current_kl: Union[float, Tensor], n_steps: Union[int, Tensor]) -> None:
+        """Pass the KL to the controller and advance the schedule by one step."""
+        self.controller.update(current_kl, n_steps)
+        self.step += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "controller_class": type(self.controller).__qualname__,
+            "controller": self.controller.state_dict(),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.step = int(state_dict["step"])
+        self.controller.load_state_dict(state_dict["controller"])
+
+    def __repr__(self) -> str:
+        return (
+            f"KLSchedule({self.controller!r}, kind={self.kind!r}, warmup_steps={self.warmup_steps}, "
+            f"total_steps={self.total_steps}, final_scale={self.final_scale}, step={self.step})"
+        )

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_kl.accumulation import check_accumulate_grad_batches
+from lightning_kl.controllers import KLController
 from lightning_kl.estimators import EstimatorName, parse_estimator
 from lightning_kl.functional import aggregate, aggregate_counts, check_old_logprob, check_pair, kl_penalty_compute
 from lightning_kl.ground.checks import (
@@ -41,6 +42,33 @@ from lightning_kl.sequence import (
 
 __all__ = ["KLPenaltyLoss"]
 
+
+def controlled_kl_statistics(kl: Tensor, mask: Optional[Tensor], agg: str) -> Tensor:
+    """The KL sums a controller of the loss sees: float64 ``[sum, count, sequences]`` of a micro-batch.
+
+    ``sum / count`` is the loss's KL in the units of ``agg``: per token (``token-mean``: over valid
+    tokens; ``seq-mean-token-mean``: the mean of the sequences' token-means) or per response (the
+    other modes: the mean of the non-empty sequences' sums). ``sequences`` counts the sequences with
+    a valid token. Detached; masked positions never enter.
+    """
+    v = kl.detach().to(torch.float64)
+    if v.ndim == 0:
+        v = v.reshape(1, 1)
+    m = torch.ones_like(v, dtype=torch.bool) if mask is None else mask.reshape(v.shape)
+    v = torch.where(m, v, torch.zeros((), dtype=v.dtype, device=v.device))
+    tokens = m.sum(-1)
+    valid = tokens > 0
+    n_seqs = valid.sum().to(torch.float64)
+    if agg == "token-mean":
+        total, count = v.sum(), tokens.sum().to(torch.float64)
+    elif agg == "seq-mean-token-mean":
+        means = v.sum(-1) / tokens.clamp(min=1)
+        total, count = torch.where(valid, means, torch.zeros((), dtype=v.dtype, device=v.device)).sum(), n_seqs
+    else:
+        total, count = v.sum(), n_seqs
+    return torch.stack([total, count, n_seqs])
+
+
 # the count each aggregation mode divides by: 0 valid tokens, 1 sequences (the others divide by none)
 _COUNT_OF_MODE = {"token-mean": 0, "seq-mean-token-sum": 1, "seq-mean-token-mean": 1}
 
@@ -60,7 +88,8 @@ class KLPenaltyLoss(nn.Module):
     Args:
         estimator: one of :data:`lightning_kl.ESTIMATORS`; ``+`` names carry the k2 gradient, the
             unbiased gradient of the KL for on-policy samples. Validated here.
-        coef: the loss coefficient (``>= 0``).
+        coef: the loss coefficient: a number (``>= 0``), or a :class:`~lightning_kl.KLController` that
+            moves it once per optimizer step from the KL of that step (see "KL control" below).
         agg: one of :data:`lightning_kl.AGG_MODES`; ``None`` (the default) is ``"token-mean"``, with a
             warning at ``level="sequence"``, where that mode is exact only for a fixed token count.
         agg_norm: the constant divisor of ``seq-mean-token-sum-norm`` (default: the padded length).
@@ -119,6 +148,25 @@ class KLPenaltyLoss(nn.Module):
     ignores the value, and ``k3``, whose clamp gives the NaN's own position a zero gradient), so
     that ``Trainer(detect_anomaly=True)`` stops at it.
 
+    **KL control.** With ``coef`` a controller (:class:`~lightning_kl.TargetKLController`,
+    :class:`~lightning_kl.AdaptiveKLController`, :class:`~lightning_kl.FixedKLController`, a
+    :class:`~lightning_kl.KLSchedule`; in YAML by ``class_path``), every forward multiplies by the
+    controller's coefficient, a float64 0-d tensor on the loss's device (no host read), and adds the
+    detached KL of its micro-batch to the step's sums (in training mode only: a validation forward,
+    in ``eval()`` mode, adds nothing). :meth:`update_coef` closes the optimizer step:
+    it sums those over the data parallel group (one ``all_reduce`` of three numbers, the group found
+    as for ``global_batch``), so that every process gets the same global KL, and updates the
+    controller with it. In a Lightning ``Trainer`` the :class:`~lightning_kl.trainer_hooks.KLLossCallback`
+    every Trainer gets does it in ``on_before_optimizer_step`` (after the backward of the step's last
+    micro-batch: once per optimizer step under ``accumulate_grad_batches``, every micro-batch of a step
+    weighed by the same coefficient) and logs ``kl/coef`` and ``kl/value``; elsewhere call it after
+    ``backward``, before or after ``optimizer.step()``. The KL the controller sees is in the units of
+    ``agg``: the token-mean over the step's valid tokens (``token-mean``), the mean over sequences of
+    their token-means (``seq-mean-token-mean``), both per token; the mean over non-empty sequences of
+    their sums (``seq-mean-token-sum``, ``seq-mean-token-sum-norm``, ``token-sum``), per response.
+    ``n_steps`` is the step's number of sequences with a valid token. The controller's state is in
+    the module's ``state_dict`` (``kl._extra_state``), so a Lightning checkpoint restores it exactly.
+
     Raises:
         ValueError: at construction, for an unknown estimator, mode or level, a bad ``coef`` or
             ``max_weight``, or a mode that does not fit ``level="sequence"``; in forward,
@@ -140,7 +188,7 @@ class KLPenaltyLoss(nn.Module):
     def __init__(
         self,
         estimator: EstimatorName = "k3+",
-        coef: float = 0.001,
+        coef: Union[float, KLController] = 0.001,
         agg: Optional[AggMode] = None,
         agg_norm: Optional[float] = None,
         global_batch: bool = False,
@@ -157,11 +205,9 @@ class KLPenaltyLoss(nn.Module):
         self.device_mesh = device_mesh
         self.spec = parse_estimator(estimator)
         self.agg = check_agg_mode("token-mean" if agg is None else agg)
-        if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not math.isfinite(coef) or coef < 0:
-            raise ValueError(f"`coef` must be a finite number >= 0, got {coef!r}.")
+        self.coef = coef  # a number or a controller, checked by the setter
         if agg_norm is not None and not (isinstance(agg_norm, (int, float)) and agg_norm > 0):
             raise ValueError(f"`agg_norm` must be a positive number or None, got {agg_norm!r}.")
-        self.coef = float(coef)
         self.agg_norm = agg_norm
         if not isinstance(global_batch, bool):
             raise ValueError(f"`global_batch` must be True or False, got {global_batch!r}.")
@@ -261,7 +307,104 @@ class KLPenaltyLoss(nn.Module):
             check_count(name, n)
         self._warn_if_micro_batch_counts(k, given)
         self.metric(kl.detach(), mask)
-        return self.coef * self._aggregate(kl, mask, given, k)
+        return self._apply_coef(self._aggregate(kl, mask, given, k), kl, mask)
+
+    # ------------------------------------------------------------------------------------------
+    # the coefficient
+
+    @property
+    def coef(self) -> float:
+        """The coefficient now, as a Python float: the number given, or the controller's current value
+        (which reads the device, and raises a fault the controller recorded there).
+
+        Setting it takes what ``coef`` takes in the constructor: a number or a controller.
+        """
+        return self._coef if self.controller is None else self.controller.value
+
+    @coef.setter
+    def coef(self, coef: Union[float, KLController]) -> None:
+        if isinstance(coef, KLController):
+            self.controller: Optional[KLController] = coef
+            self._coef = float("nan")
+        elif isinstance(coef, bool) or not isinstance(coef, (int, float)) or not math.isfinite(coef) or coef < 0:
+            raise ValueError(
+                f"`coef` must be a finite number >= 0 or a KLController (FixedKLController, AdaptiveKLController, "
+                f"TargetKLController, KLSchedule), got {coef!r}."
+            )
+        else:
+            self.controller, self._coef = None, float(coef)
+        self._step_stats: Optional[Tensor] = None
+
+    def _apply_coef(self, agg: Tensor, kl: Tensor, mask: Optional[Tensor]) -> Tensor:
+        if self.controller is None:
+            return self._coef * agg
+        if self.training:  # a validation forward (the module in eval mode) is no part of a training step
+            stats = controlled_kl_statistics(kl, mask, self.agg)
+            self._step_stats = stats if self._step_stats is None else self._step_stats + stats
+        # the step's coefficient, a device tensor (no host read), rounded to the loss's dtype as a float is
+        return self.controller.value_tensor(agg.device).to(agg.dtype) * agg
+
+    def update_coef(self, strategy: Any = None, device: Any = None) -> Optional[tuple[Tensor, Tensor]]:
+        """Close an optimizer step: update the controller from the step's global KL; return what was used.
+
+        Sums the KL statistics of every forward since the last call over the data parallel group
+        (every process must call this the same number of times: it runs one ``all_reduce`` when the
+        group has more than one process), gives the controller the global KL and the number of
+        non-empty sequences (``n_steps``), and starts the next step's sums. No host read. A step
+        with no valid token anywhere leaves the coefficient unchanged. Done by
+        :class:`~lightning_kl.trainer_hooks.KLLossCallback` in a Trainer; by hand elsewhere, after
+        ``backward`` (the coefficient the step's gradient used is replaced, never changed in place).
+
+        Args:
+            strategy: the Lightning strategy, when there is one (it names the data parallel group).
+            device: where to make the step's sums if this process ran no forward in the step
+                (default: where the coefficient is).
+
+        Returns:
+            None for a number ``coef``; else ``(coef, kl)``: the coefficient this step used and the
+            step's global KL (NaN for a step with no valid token), float64 0-d tensors on the device.
+        """
+        if self.controller is None:
+            return None
+        stats = self._step_stats
+        self._step_stats = None
+        if stats is None:
+            where = device if device is not None else self.controller.value_tensor().device
+            stats = torch.zeros(3, dtype=torch.float64, device=where)
+        coef = self.controller.value_tensor(stats.device)
+        dp = data_parallel_group(self.process_group, self.device_mesh, strategy=strategy)
+        if dp.size > 1:
+            stats = dp.all_reduce_sum(stats.clone())
+        kl, n_seqs = stats[0] / stats[1], stats[2]
+        self.controller.update(kl, n_seqs)
+        return coef, torch.where(n_seqs >= 1, kl, float("nan"))
+
+    def get_extra_state(self) -> dict[str, Any]:
+        """The controller's state, in the module's ``state_dict`` (empty for a number ``coef``)."""
+        if self.controller is None:
+            return {}
+        return {"controller_class": type(self.controller).__qualname__, "controller": self.controller.state_dict()}
+
+    def set_extra_state(self, state: Any) -> None:
+        saved = state.get("controller_class") if isinstance(state, dict) else None
+        mine = None if self.controller is None else type(self.controller).__qualname__
+        if saved != mine:
+            rank_zero_warn(
+                f"KLPenaltyLoss: the state_dict holds the state of {saved or 'a number coef'} but this loss has "
+                f"{mine or 'a number coef'}; keeping the coefficient as constructed."
+            )
+            return
+        if self.controller is not None:
+            self.controller.load_state_dict(state["controller"])
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        # a state_dict saved before the controller's state was kept in it has no entry: keep the coefficient
+        key = prefix + "_extra_state"
+        had = key in state_dict
+        super()._load_from_state_dict(state_dict, prefix, *args)
+        missing_keys = args[2]
+        if not had and key in missing_keys:
+            missing_keys.remove(key)
 
     def attach(self, trainer: Any) -> None:
         """Connect this loss to the Trainer that fits its LightningModule (None: disconnect).
@@ -337,4 +480,5 @@ class KLPenaltyLoss(nn.Module):
             extra += f", level={self.level!r}"
         if self.kl_to_go != "k1":
             extra += f", kl_to_go={self.kl_to_go!r}"
-        return f"estimator={self.spec.name!r}, coef={self.coef}, agg={self.agg!r}{extra}"
+        coef = self._coef if self.controller is None else self.controller
+        return f"estimator={self.spec.name!r}, coef={coef!r}, agg={self.agg!r}{extra}"

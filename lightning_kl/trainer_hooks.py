@@ -10,6 +10,19 @@ Installing lightning-kl registers a factory of this callback under Lightning's
 ``lightning.pytorch.callbacks_factory`` entry point, so every ``Trainer`` gets one by itself (Lightning
 logs "Adding 1 callbacks from entry point 'lightning_kl'"). Passing one in ``Trainer(callbacks=...)``
 is harmless: only the first instance in the Trainer's list acts.
+
+It also closes the optimizer step of every loss whose ``coef`` is a controller
+(:meth:`~lightning_kl.KLPenaltyLoss.update_coef`) in ``on_before_optimizer_step``: Lightning calls that
+hook once per optimizer step, after the backward of the step's last micro-batch (under
+``accumulate_grad_batches`` too, and in manual optimization at each ``optimizer.step()``), so the
+step's gradient used the step's coefficient and the next step gets the updated one. Only the
+Trainer's first optimizer closes steps. It logs ``kl/coef`` (the coefficient the step used) and
+``kl/value`` (the step's global KL); with several controlled losses, or a
+:class:`~lightning_kl.KLRewardCallback` logging under ``kl/`` too, the names end with the loss's name
+in the module (``kl/coef/kl_loss``). A non-finite global KL leaves the coefficient unchanged and is
+raised as a ``ValueError`` every ``log_every_n_steps`` batches and at the end of each epoch (where
+the host reads the coefficient), as :class:`~lightning_kl.KLRewardCallback` does. At ``on_train_start`` it refuses one controller object shared by
+two users (two losses, or a loss and a ``KLRewardCallback``): each would update it with its own KL.
 """
 
 from __future__ import annotations
@@ -20,6 +33,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_kl.callback import KLRewardCallback
+from lightning_kl.controllers import KLController
 from lightning_kl.loss import KLPenaltyLoss
 
 __all__ = ["KLLossCallback", "attach_losses", "callbacks_factory"]
@@ -51,9 +66,79 @@ class KLLossCallback(Callback):
             attach_losses(trainer, pl_module)
 
     @override
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if not self._acts(trainer):
+            return
+        # found once per fit (a walk over every module of a large model is not free at every step)
+        self._losses = [(name, m) for name, m in pl_module.named_modules() if isinstance(m, KLPenaltyLoss)]
+        users: dict[int, list[str]] = {}
+        for name, loss in self._controlled():
+            for ctl in _chain(loss.controller):
+                users.setdefault(id(ctl), []).append(f"KLPenaltyLoss {name!r}")
+        for cb in trainer.callbacks:
+            if isinstance(cb, KLRewardCallback):
+                for ctl in _chain(cb.controller):
+                    users.setdefault(id(ctl), []).append(f"KLRewardCallback {cb.state_key!r}")
+        shared = [names for names in users.values() if len(names) > 1]
+        if shared:
+            raise ValueError(
+                f"one KL controller object is used by {' and '.join(shared[0])}: each would update it once per step "
+                "with its own KL (the loss's per optimizer step, in the loss's units; the reward's per batch), so "
+                "its coefficient would follow neither. Give each its own controller."
+            )
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: Any
+    ) -> None:
+        if not self._acts(trainer) or not trainer.optimizers or optimizer is not trainer.optimizers[0]:
+            return
+        controlled = self._controlled()
+        if not controlled:
+            return
+        suffix = len(controlled) > 1 or any(
+            isinstance(cb, KLRewardCallback) and cb.log_prefix == "kl/" for cb in trainer.callbacks
+        )
+        for name, loss in controlled:
+            used = loss.update_coef(trainer.strategy, pl_module.device)
+            assert used is not None
+            tail = f"/{name}" if suffix else ""
+            pl_module.log(f"kl/coef{tail}", used[0], on_step=True, on_epoch=False, batch_size=1)
+            pl_module.log(f"kl/value{tail}", used[1], on_step=True, on_epoch=False, batch_size=1)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if (batch_idx + 1) % max(1, trainer.log_every_n_steps) == 0:
+            self._raise_pending()  # as often as Lightning's loggers read the logged values
+
+    @override
+    def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._raise_pending()
+
+    def _raise_pending(self) -> None:
+        # reading a coefficient raises the fault its controller recorded on the device (a non-finite
+        # global KL, the same on every rank, so every rank raises alike)
+        for _, loss in self._controlled():
+            _ = loss.coef
+
+    def _controlled(self) -> list[tuple[str, KLPenaltyLoss]]:
+        return [(name, m) for name, m in getattr(self, "_losses", ()) if m.controller is not None]
+
+    @override
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if self._acts(trainer):
             attach_losses(None, pl_module)
+        self._losses = []
+
+
+def _chain(controller: KLController) -> list[KLController]:
+    """A controller and the ones it wraps (a KLSchedule's)."""
+    out = [controller]
+    while isinstance(getattr(out[-1], "controller", None), KLController):
+        out.append(out[-1].controller)
+    return out
 
 
 def callbacks_factory() -> list[Any]:
