@@ -203,6 +203,8 @@ def test_found_by_itself_the_world_a_mesh_group_or_an_error(monkeypatch: pytest.
     for names in (("replicate", "shard"), ("dp_replicate", "dp_shard"), ("replicate_shard",)):
         dims = [(name, _Group(2, [0, 1])) for name in names]
         assert (data_parallel_group().group, data_parallel_group().size) == (None, 4), names
+    dims = [("tensor_parallel", _Group(1, [0]))]  # Lightning's FSDP2 mesh (2, 1): data_parallel is the world's group
+    assert (data_parallel_group().group, data_parallel_group().size) == (None, 4)
     for names, shown in ((("dp", "tp"), "['tp']"), (("dim_0", "dim_1"), "['dim_0', 'dim_1']"), (("dp_shard_cp",), "['dp_shard_cp']")):
         dims = [(name, _Group(2, [0, 1])) for name in names]
         with pytest.raises(ValueError, match=rf"dimensions {re.escape(shown)} \(model parallel, or unnamed\) and none named 'data_parallel'"):

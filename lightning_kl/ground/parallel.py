@@ -17,8 +17,8 @@ parallel rank. The group is the first of:
    every process reads the same): a ``"data_parallel"`` dimension; else, when no mesh dimension
    is model parallel (hybrid-sharded FSDP's ``("replicate", "shard")``) or there is no mesh at all,
    the world. Plain process groups of the user's (``new_group``) are not read: they say nothing
-   about the data. A mesh dimension named as model parallel (``tp``, ``cp``, ``pp``, ``ep``, ...,
-   or unnamed) with no ``"data_parallel"`` one raises an error that asks for the group, on every
+   about the data. A mesh dimension of more than one process named as model parallel (``tp``,
+   ``cp``, ``pp``, ``ep``, ..., or unnamed) with no ``"data_parallel"`` one raises an error that asks for the group, on every
    process alike.
 
 A refusal in code that runs on several processes is agreed before it is raised (:func:`agree`).
@@ -191,7 +191,8 @@ def _discovered() -> Optional[DataParallelGroup]:
             )
         group = dp[-1]
         return DataParallelGroup(group if group.size() > 1 else None, group.size(), "the device mesh's data parallel group")
-    unread = sorted({name for name, _ in dims if _holds_same_data(name)})
+    # a dimension of one process shares its data with no other (Lightning's tensor_parallel of size 1)
+    unread = sorted({name for name, pg in dims if _holds_same_data(name) and pg.size() > 1})
     if unread:
         raise ValueError(
             f"a device mesh has dimensions {unread} (model parallel, or unnamed) and none named "
