@@ -226,6 +226,14 @@ def test_bad_group_arguments_fail_at_construction(make: Any) -> None:
         make(device_mesh=2)
 
 
+def test_a_group_that_does_not_hold_this_process_is_named() -> None:
+    # what new_group returns to the processes outside the group (an int, -100, in torch 2.x)
+    import torch.distributed as dist
+
+    with pytest.raises(ValueError, match="`process_group` given does not hold this process"):
+        lk.KLMetric(process_group=dist.GroupMember.NON_GROUP_MEMBER)
+
+
 def test_a_group_and_a_mesh_together_are_refused() -> None:
     with pytest.raises(ValueError, match="as `process_group` or as `device_mesh`, not both"):
         check_parallel_args(object(), object())

@@ -74,10 +74,18 @@ def check_parallel_args(process_group: object, device_mesh: object) -> None:
     Raises:
         TypeError: for a ``process_group`` that is not a ``ProcessGroup`` or a ``device_mesh`` that is
             not a ``DeviceMesh`` (the type named).
-        ValueError: for both given, or a mesh with no dimension to take (its dimension names listed).
+        ValueError: for both given, a group that does not hold this process, or a mesh with no
+            dimension to take (its dimension names listed).
     """
     if process_group is not None and device_mesh is not None:
         raise ValueError("give the data parallel group as `process_group` or as `device_mesh`, not both.")
+    non_member = dist.GroupMember.NON_GROUP_MEMBER
+    if process_group is not None and not isinstance(process_group, dist.ProcessGroup) and process_group == non_member:
+        raise ValueError(
+            "the `process_group` given does not hold this process (torch.distributed.new_group returns "
+            "GroupMember.NON_GROUP_MEMBER to the processes outside the group): give every process the data "
+            "parallel group that holds it."
+        )
     if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
         raise TypeError(
             f"`process_group` must be a torch.distributed ProcessGroup (the data parallel group), got "
