@@ -76,7 +76,7 @@ class KLRewardCallback(Callback):
         rewards_key: the batch key written.
         log_prefix: prefix of the logged names; give two callbacks different prefixes.
         process_group: the data parallel ``ProcessGroup``, for layouts the strategy does not describe;
-            it must agree with the strategy's (checked at each batch).
+            when given it is used as it is, in place of the strategy's.
         device_mesh: the same as a ``DeviceMesh``: 1-D, or with a ``"data_parallel"`` dimension.
 
     Raises:

@@ -25,8 +25,8 @@ def _kl_metric_update(values: Tensor, mask: Optional[Tensor]) -> tuple[Tensor, T
 
 
 def _kl_metric_compute(total: Tensor, count: Tensor) -> Tensor:
-    """Token-mean as float32 (accumulated in float64); NaN when no token was seen (no data, not a KL of 0)."""
-    return (total / count).to(torch.float32)
+    """Token-mean in the state's dtype (float64 unless the metric was cast); NaN when no token was seen (no data, not a KL of 0)."""
+    return (total / count).to(total.dtype)
 
 
 class KLMetric(Metric):
@@ -36,8 +36,8 @@ class KLMetric(Metric):
         \mathrm{KL} = \frac{\sum_{\text{updates}} \sum_t m_t v_t}{\sum_{\text{updates}} \sum_t m_t}
 
     The state is a float64 masked sum and an int64 token count, both reduced by sum over the data
-    parallel group, so ``compute()`` equals the token-mean of the concatenated data of every data
-    parallel replica. The group is ``process_group`` or ``device_mesh`` when given, else found by
+    parallel group; ``compute()`` returns the token-mean of the concatenated data of every data
+    parallel replica, in the state's dtype (float64). The group is ``process_group`` or ``device_mesh`` when given, else found by
     itself when the state is synced: under Lightning's ``ModelParallelStrategy`` its device mesh's
     ``"data_parallel"`` dimension (tensor parallel ranks, which hold the same batch, count once; a
     data parallel size of 1 syncs nothing), under DDP the world. Positions where the mask is False
@@ -69,12 +69,12 @@ class KLMetric(Metric):
         >>> metric = KLMetric()
         >>> metric.update(torch.tensor([[0.5, 1.5, 9.0]]), torch.tensor([[True, True, False]]))
         >>> metric.update(torch.tensor([2.0]))
-        >>> metric.compute()  # (0.5 + 1.5 + 2.0) / 3
-        tensor(1.3333)
+        >>> metric.compute()  # (0.5 + 1.5 + 2.0) / 3, in the state's dtype
+        tensor(1.3333, dtype=torch.float64)
         >>> metric(torch.tensor([1.0, 4.0]), torch.tensor([False, True]))  # this batch: 4.0; accumulates
-        tensor(4.)
+        tensor(4., dtype=torch.float64)
         >>> metric(torch.tensor([1.0]), torch.tensor([False]))  # a batch with no valid token: no data
-        tensor(nan)
+        tensor(nan, dtype=torch.float64)
     """
 
     is_differentiable = False

@@ -30,10 +30,12 @@ With ``alpha`` in ``(0, 1]`` (``1`` is a hard reset):
 from __future__ import annotations
 
 import math
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import Tensor, nn
+
+from lightning_kl.ground.parallel import agree
 
 __all__ = ["check_alpha", "check_foldable", "check_mixable", "fold_adapters_", "lora_layers", "mix_", "mix_modules_"]
 
@@ -103,8 +105,46 @@ def _pairs(reference: nn.Module, policy: nn.Module, buffers: bool) -> Iterator[t
         yield name, r, pol[name]
 
 
+def _is_sharded(t: Tensor) -> bool:
+    return hasattr(t, "placements") and hasattr(t, "device_mesh")
+
+
+def _mesh_ranks(t: Tensor) -> Any:
+    # the global ranks of the mesh, laid out as the mesh is: which process holds which shard
+    return t.device_mesh.mesh.tolist()
+
+
+def _difference(name: str, r: Tensor, p: Tensor) -> Optional[str]:
+    """Why ``p`` cannot be mixed into ``r`` shard by shard on this process (None: it can)."""
+    if (_is_sharded(r), getattr(r, "placements", None)) != (_is_sharded(p), getattr(p, "placements", None)):
+        return (
+            f"`{name}` is sharded differently in the reference ({getattr(r, 'placements', 'a plain tensor')}) "
+            f"and in the policy ({getattr(p, 'placements', 'a plain tensor')}): shard both models alike."
+        )
+    if _is_sharded(r) and _mesh_ranks(r) != _mesh_ranks(p):
+        return (
+            f"`{name}` is sharded over the processes {_mesh_ranks(r)} in the reference and {_mesh_ranks(p)} in "
+            "the policy (the device meshes' ranks): each process would mix another process's shard into its own. "
+            "Shard both models over one device mesh."
+        )
+    if r.shape != p.shape or _local(r).shape != _local(p).shape:
+        where = "" if r.shape == p.shape else f" (whole: {tuple(r.shape)} and {tuple(p.shape)})"
+        return (
+            f"`{name}` has shape {tuple(_local(r).shape)} in the reference and {tuple(_local(p).shape)} in the "
+            f"policy{where}."
+        )
+    return None
+
+
 def check_mixable(reference: nn.Module, policy: nn.Module, buffers: bool = True) -> int:
     """Check that :func:`mix_modules_` can run (same names, shapes, sharding); return the tensor count.
+
+    Sharded tensors (``DTensor``, FSDP2) must have the same placements on the same processes: the
+    same device mesh ranks, not only the same local shapes, or each process would mix another
+    process's shard into its own. A difference in the shards may show on some processes only (an
+    uneven dimension); with sharded tensors the check is therefore agreed over every process (one
+    ``all_reduce`` of a flag, :func:`lightning_kl.ground.parallel.agree`) and every process raises
+    the same error. Every process must call it then, as it does at a refresh.
 
     Raises:
         ValueError: naming the first parameter or buffer that differs, or if ``reference is policy``.
@@ -112,19 +152,19 @@ def check_mixable(reference: nn.Module, policy: nn.Module, buffers: bool = True)
     if reference is policy:
         raise ValueError("the reference and the policy are one module: nothing to refresh (use reference=None for adapters).")
     _reshard(reference, policy)
-    n = 0
-    for name, r, p in _pairs(reference, policy, buffers):
-        if (hasattr(r, "placements"), getattr(r, "placements", None)) != (hasattr(p, "placements"), getattr(p, "placements", None)):
-            raise ValueError(
-                f"`{name}` is sharded differently in the reference ({getattr(r, 'placements', 'a plain tensor')}) "
-                f"and in the policy ({getattr(p, 'placements', 'a plain tensor')}): shard both models alike."
-            )
-        if _local(r).shape != _local(p).shape:
-            raise ValueError(
-                f"`{name}` has shape {tuple(_local(r).shape)} in the reference and {tuple(_local(p).shape)} in the policy."
-            )
-        n += 1
-    return n
+    problem: Optional[str] = None
+    try:
+        pairs = list(_pairs(reference, policy, buffers))
+    except ValueError as err:
+        pairs, problem = [], str(err)
+    sharded = any(_is_sharded(t) for m in (reference, policy) for t in m.parameters())
+    for name, r, p in pairs:
+        problem = problem or _difference(name, r, p)
+    if sharded:
+        agree(problem)
+    elif problem is not None:
+        raise ValueError(problem)
+    return len(pairs)
 
 
 def mix_modules_(reference: nn.Module, policy: nn.Module, alpha: float, buffers: bool = True) -> int:

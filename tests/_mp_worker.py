@@ -310,7 +310,7 @@ def fit(root: str, layout: str, **trainer_kwargs: Any) -> dict[str, Any]:
 
 
 def layout_errors() -> dict[str, str]:
-    """After a DP x TP fit: the messages of the groups that do not fit (each must raise)."""
+    """After a DP x TP fit: what each explicit group gives (a given group wins over the mesh found), or the error."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from lightning_kl.ground.parallel import data_parallel_group
@@ -319,18 +319,20 @@ def layout_errors() -> dict[str, str]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     x = torch.zeros(2, 3, dtype=torch.float64)
     attempts = {
-        "unnamed_2d_mesh": lambda: data_parallel_group(device_mesh=mesh),
-        "world_given": lambda: data_parallel_group(process_group=world),
-        "tp_given": lambda: data_parallel_group(device_mesh=mesh["tp"]),
-        "loss_world": lambda: lk.KLPenaltyLoss("k1", agg="token-sum", global_batch=True, process_group=world)(x, x),
+        "unnamed_2d_mesh": lambda: data_parallel_group(device_mesh=mesh).size,
+        "world_given": lambda: data_parallel_group(process_group=world).size,
+        "tp_given": lambda: data_parallel_group(device_mesh=mesh["tp"]).size,
+        "found": lambda: data_parallel_group().size,  # the strategy's mesh's "data_parallel" dimension
+        # token-sum with global_batch: multiplied by the group's size, so 4 x 0 stays 0; the size is what counts
+        "loss_world": lambda: lk.KLPenaltyLoss("k1", agg="token-sum", global_batch=True, process_group=world)(x, x).item(),
+        "dp_given_size": lambda: data_parallel_group(device_mesh=mesh["dp"]).size,
     }
     errors = {}
     for name, attempt in attempts.items():
         try:
-            attempt()
+            errors[name] = str(attempt())
         except ValueError as err:
             errors[name] = str(err)
-    errors["dp_given_size"] = str(data_parallel_group(device_mesh=mesh["dp"]).size)  # agrees: no error
     return errors
 
 

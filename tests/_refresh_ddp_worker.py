@@ -3,9 +3,10 @@
 ``python tests/_refresh_ddp_worker.py OUT_DIR`` runs both, one after the other in one launch; each rank
 writes ``OUT_DIR/rank{r}.json`` with, for each, its refresh steps and its reference and policy tensors (full tensors: the FSDP2 shards are
 gathered *after* training, for the record only). The ranks see different data, and they log
-different KLs (rank 0: 2.0 at steps 1 and 3, rank 1: 0.0), whose mean over the ranks (1.0, 0.0,
-1.0) crosses the threshold 0.5 at steps 1 and 3: a decision taken on one rank's view would refresh
-rank 0 only.
+different KLs (rank 0: 2.0, 1.0, 2.0 at steps 1, 2, 3; rank 1: 0.0), whose mean over the ranks
+(1.0, 0.5, 1.0) crosses the threshold 0.5 at steps 1 and 3 only: a decision taken on one rank's view
+would refresh rank 0 only, one on the ranks' sum (1.0 > 0.5) or with ``>=`` at step 2 too (the mean
+there is exactly the threshold).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ WORLD, STEPS = 2, 3
 
 class RankData(PolicyAndRef):
     def setup(self, stage: str) -> None:
-        self.kl_log = [2.0, 0.0, 2.0] if self.global_rank == 0 else [0.0, 0.0, 0.0]
+        self.kl_log = [2.0, 1.0, 2.0] if self.global_rank == 0 else [0.0, 0.0, 0.0]
 
     def train_dataloader(self) -> Any:
         data = [tokens_of_step(1000 * self.global_rank + i) for i in range(self.steps)]

@@ -19,19 +19,20 @@ def test_metric_is_token_mean_over_updates():
                   torch.tensor([[True, True, False], [True, False, True]]))
     metric.update(torch.tensor([10.0, 20.0]))
     # (1 + 2 + 3 + 5 + 10 + 20) / 6
-    assert_close(metric.compute(), torch.tensor(41.0 / 6))
+    assert_close(metric.compute(), torch.tensor(41.0 / 6, dtype=torch.float64))
     metric.reset()
     with pytest.warns(UserWarning, match="called before the ``update`` method"):
         assert math.isnan(metric.compute().item())  # nothing seen: no data (NaN), not a KL of 0
     metric.update(torch.tensor([4.0]))
-    assert_close(metric.compute(), torch.tensor(4.0))
+    assert_close(metric.compute(), torch.tensor(4.0, dtype=torch.float64))
 
 
 def test_metric_forward_returns_batch_value_and_accumulates():
     metric = lk.KLMetric()
-    assert_close(metric(torch.tensor([1.0, 3.0])), torch.tensor(2.0))
-    assert_close(metric(torch.tensor([5.0, 9.0]), torch.tensor([True, False])), torch.tensor(5.0))
-    assert_close(metric.compute(), torch.tensor(3.0))
+    f64 = torch.float64  # the result is in the state's dtype
+    assert_close(metric(torch.tensor([1.0, 3.0])), torch.tensor(2.0, dtype=f64))
+    assert_close(metric(torch.tensor([5.0, 9.0]), torch.tensor([True, False])), torch.tensor(5.0, dtype=f64))
+    assert_close(metric.compute(), torch.tensor(3.0, dtype=f64))
 
 
 def test_metric_accumulates_in_float64():
@@ -40,14 +41,15 @@ def test_metric_accumulates_in_float64():
         metric.update(torch.full((10_000,), 1e-3 + 1e-9, dtype=torch.float32))
     # a float32 running sum of 1e6 terms of 1e-3 drifts by ~1e-4 relative; float64 does not
     assert abs(metric.compute().item() - float(torch.tensor(1e-3 + 1e-9, dtype=torch.float32))) < 1e-9
+    assert metric.compute().dtype == torch.float64  # the state's dtype, not float32
 
 
 def test_metric_pickles_with_state():
     metric = lk.KLMetric()
     metric.update(torch.tensor([1.0, 2.0]))
     clone = pickle.loads(pickle.dumps(metric))
-    assert_close(clone.compute(), torch.tensor(1.5))
-    assert_close(copy.deepcopy(metric).compute(), torch.tensor(1.5))
+    assert_close(clone.compute(), torch.tensor(1.5, dtype=torch.float64))
+    assert_close(copy.deepcopy(metric).compute(), torch.tensor(1.5, dtype=torch.float64))
 
 
 def test_loss_feeds_its_metric_with_forward_values():
@@ -58,7 +60,7 @@ def test_loss_feeds_its_metric_with_forward_values():
     loss = loss_fn(lp, ref, mask)
     k3 = lk.kl_penalty(lp, ref, "k3")[mask]
     assert_close(loss, 2.0 * k3.mean())
-    assert_close(loss_fn.metric.compute(), k3.mean())
+    assert_close(loss_fn.metric.compute(), k3.mean().double())
 
 
 def test_adaptive_controller_follows_ziegler_update():

@@ -17,6 +17,7 @@ in the 4-process launch.
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 from typing import Any
 
@@ -146,14 +147,14 @@ def test_full_tensor_on_an_fsdp2_head_gives_the_right_loss_and_a_wrong_head_grad
                 assert_close(torch.tensor(r["grads"][key][name], dtype=torch.float64), torch.tensor(grad, dtype=torch.float64), rtol=1e-12, atol=1e-12)
 
 
-def test_groups_that_do_not_fit_the_layout_are_refused(dp_tp: Any) -> None:
+def test_a_group_given_wins_over_the_mesh_found_and_an_unnamed_2d_mesh_is_refused(dp_tp: Any) -> None:
     ranks, _ = dp_tp
     for r in ranks:
         errors = r["layout_errors"]
         assert "dimensions ('dp', 'tp') does not say which one" in errors["unnamed_2d_mesh"]
-        for name in ("world_given", "tp_given", "loss_world"):
-            assert "does not match the device mesh's data parallel group" in errors[name], name
-        assert errors["dp_given_size"] == "2"
+        # what the user gives is taken as it is, even where it disagrees with the strategy's mesh
+        assert (errors["world_given"], errors["tp_given"], errors["dp_given_size"], errors["found"]) == ("4", "2", "2", "2")
+        assert errors["loss_world"] == "0.0"
 
 
 # -- the rules that need no process group -----------------------------------------------------------
@@ -184,24 +185,35 @@ class _Group:
 
 
 def test_found_by_itself_the_world_a_mesh_group_or_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    # the decision on the process groups this process holds, with torch.distributed stood in for
-    # (4 processes): no group but the world -> the world (DDP); a data parallel mesh group -> it;
-    # smaller groups and no data parallel one, or two that disagree -> an error that asks for the group
+    # the decision on the device mesh dimensions this process holds, with torch.distributed stood in
+    # for (4 processes): no mesh -> the world (DDP, and plain groups of the user's are never read); a
+    # "data_parallel" dimension -> it; only data parallel dimensions (hybrid-sharded FSDP) -> the world;
+    # a model parallel or unnamed dimension and no data parallel one, or two that disagree -> an error
     from lightning_kl.ground import parallel
 
     monkeypatch.setattr(parallel.dist, "is_initialized", lambda: True)
     monkeypatch.setattr(parallel.dist, "get_world_size", lambda group=None: 4)
     monkeypatch.setattr(parallel.dist, "get_process_group_ranks", lambda g: g.ranks)
-    groups: tuple[list[Any], list[Any]] = ([], [])
-    monkeypatch.setattr(parallel, "_mesh_groups", lambda: groups)
+    dims: list[tuple[str, Any]] = []
+    monkeypatch.setattr(parallel, "_mesh_groups", lambda: dims)
     assert (data_parallel_group().group, data_parallel_group().size) == (None, 4)
     dp = _Group(2, [0, 2])
-    groups = ([dp], [_Group(2, [0, 1])])
+    dims = [("data_parallel", dp), ("tensor_parallel", _Group(2, [0, 1]))]
     assert (data_parallel_group().group, data_parallel_group().size) == (dp, 2)
-    groups = ([], [_Group(2, [0, 1])])
-    with pytest.raises(ValueError, match=r"process groups of size \[2\], but no device mesh dimension named 'data_parallel'"):
-        data_parallel_group()
-    groups = ([dp, _Group(2, [0, 1])], [])
+    for names in (("replicate", "shard"), ("dp_replicate", "dp_shard"), ("replicate_shard",)):
+        dims = [(name, _Group(2, [0, 1])) for name in names]
+        assert (data_parallel_group().group, data_parallel_group().size) == (None, 4), names
+    dims = [("tensor_parallel", _Group(1, [0]))]  # Lightning's FSDP2 mesh (2, 1): data_parallel is the world's group
+    assert (data_parallel_group().group, data_parallel_group().size) == (None, 4)
+    for names, shown in ((("dp", "tp"), "['tp']"), (("dim_0", "dim_1"), "['dim_0', 'dim_1']"), (("dp_shard_cp",), "['dp_shard_cp']")):
+        dims = [(name, _Group(2, [0, 1])) for name in names]
+        with pytest.raises(ValueError, match=rf"dimensions {re.escape(shown)} \(model parallel, or unnamed\) and none named 'data_parallel'"):
+            data_parallel_group()
+        given = _Group(2, [0, 1])
+        monkeypatch.setattr(parallel.dist, "get_rank", lambda group=None: 0)
+        monkeypatch.setattr(parallel.dist, "ProcessGroup", _Group)
+        assert data_parallel_group(process_group=given).group is given  # a group given wins: nothing found
+    dims = [("data_parallel", dp), ("data_parallel", _Group(2, [0, 1]))]
     with pytest.raises(ValueError, match="several data parallel mesh groups"):
         data_parallel_group()
 
@@ -212,6 +224,14 @@ def test_bad_group_arguments_fail_at_construction(make: Any) -> None:
         make(process_group="dp")
     with pytest.raises(TypeError, match="`device_mesh` must be a torch DeviceMesh, got int"):
         make(device_mesh=2)
+
+
+def test_a_group_that_does_not_hold_this_process_is_named() -> None:
+    # what new_group returns to the processes outside the group (an int, -100, in torch 2.x)
+    import torch.distributed as dist
+
+    with pytest.raises(ValueError, match="`process_group` given does not hold this process"):
+        lk.KLMetric(process_group=dist.GroupMember.NON_GROUP_MEMBER)
 
 
 def test_a_group_and_a_mesh_together_are_refused() -> None:

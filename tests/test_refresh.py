@@ -9,6 +9,7 @@ policy changed by the fold, a decision taken on one process's view.
 from __future__ import annotations
 
 import copy
+import math
 import pickle
 from pathlib import Path
 from typing import Any, Optional
@@ -387,7 +388,8 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
 def test_every_rank_holds_the_same_reference_after_refreshes(two_ranks: list[dict[str, Any]], mode: str) -> None:
     records = [r[mode] for r in two_ranks]
-    # the ranks logged 2.0 / 0.0 at steps 1 and 3: their mean 1.0 > 0.5 refreshes both ranks there
+    # the ranks logged 2.0 / 0.0 at steps 1 and 3: their mean 1.0 > 0.5 refreshes both ranks there; at
+    # step 2, 1.0 / 0.0: the mean is exactly the threshold (no refresh) while the sum, 1.0, is above it
     assert [r["last_steps"] for r in records] == [[1, 1, 3]] * 2
     assert records[0]["policy"] == records[1]["policy"]  # the ranks trained one policy on different data
     assert records[0]["ref"] == records[1]["ref"]  # and hold one reference, exactly
@@ -395,3 +397,10 @@ def test_every_rank_holds_the_same_reference_after_refreshes(two_ranks: list[dic
     assert max(r["ema_error"] for r in records) < 1e-6  # the formula's float64 maths, from the start
     # each rank mixed its own shards under FSDP2
     assert set(records[0]["sharded"]) == ({"DTensor"} if mode == "fsdp2" else {"Parameter"})
+
+
+def test_a_kl_exactly_at_the_threshold_does_not_trigger() -> None:
+    # "exceeds": a KL equal to kl_threshold restarts the window; the next float above it counts
+    refresh = lk.ReferenceRefresh(kl_threshold=0.5, kl_window=1)
+    assert not refresh.kl_triggers(0.5) and refresh.steps_above == 0
+    assert refresh.kl_triggers(math.nextafter(0.5, 1.0))

@@ -4,23 +4,29 @@ Every part that reduces across processes asks :func:`data_parallel_group` (the l
 ``global_batch=True`` and its multiplier, the metric's sync, the callback's statistics), so that a
 layout is read in one place. Under data parallel x tensor parallel, the ranks of one tensor
 parallel group hold the *same* batch: reducing over all processes would count it once per tensor
-parallel rank. The group is, in this order:
+parallel rank. The group is the first of:
 
 1. the one given: a ``ProcessGroup``, or a ``DeviceMesh`` (1-D: its group; N-D: its dimension named
-   ``"data_parallel"``, the name Lightning's ``ModelParallelStrategy`` gives it);
+   ``"data_parallel"``, the name Lightning's ``ModelParallelStrategy`` gives it). A group given always
+   wins: nothing is discovered next to it, nor compared with it;
 2. the Lightning strategy's, when the caller has one (the callback): ``ModelParallelStrategy``'s
    ``device_mesh["data_parallel"]``; for DDP and the other strategies that replicate the data
    loader over every process, the world; one device: none;
-3. otherwise, when ``torch.distributed`` is initialized: the ``"data_parallel"`` dimension of the
-   device mesh that this process made (its process groups are described ``mesh_data_parallel``),
-   else the world. Process groups of other sizes and no data parallel one (a layout this cannot
-   read) raise an error that asks for the group.
+3. otherwise, when ``torch.distributed`` is initialized, found from the device meshes this process
+   made (their process groups are described ``mesh_<dimension>``; every process makes a mesh, so
+   every process reads the same): a ``"data_parallel"`` dimension; else, when no mesh dimension
+   is model parallel (hybrid-sharded FSDP's ``("replicate", "shard")``) or there is no mesh at all,
+   the world. Plain process groups of the user's (``new_group``) are not read: they say nothing
+   about the data. A mesh dimension of more than one process named as model parallel (``tp``,
+   ``cp``, ``pp``, ``ep``, ..., or unnamed) with no ``"data_parallel"`` one raises an error that asks for the group, on every
+   process alike.
 
-A group given next to a layout found by 2. or 3. must agree with it (same ranks), else an error.
+A refusal in code that runs on several processes is agreed before it is raised (:func:`agree`).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -28,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["DataParallelGroup", "check_parallel_args", "data_parallel_group"]
+__all__ = ["DataParallelGroup", "agree", "check_parallel_args", "data_parallel_group"]
 
 #: The name of the data parallel dimension in Lightning's ``ModelParallelStrategy`` device mesh.
 DATA_PARALLEL_DIM = "data_parallel"
@@ -68,10 +74,18 @@ def check_parallel_args(process_group: object, device_mesh: object) -> None:
     Raises:
         TypeError: for a ``process_group`` that is not a ``ProcessGroup`` or a ``device_mesh`` that is
             not a ``DeviceMesh`` (the type named).
-        ValueError: for both given, or a mesh with no dimension to take (its dimension names listed).
+        ValueError: for both given, a group that does not hold this process, or a mesh with no
+            dimension to take (its dimension names listed).
     """
     if process_group is not None and device_mesh is not None:
         raise ValueError("give the data parallel group as `process_group` or as `device_mesh`, not both.")
+    non_member = dist.GroupMember.NON_GROUP_MEMBER
+    if process_group is not None and not isinstance(process_group, dist.ProcessGroup) and process_group == non_member:
+        raise ValueError(
+            "the `process_group` given does not hold this process (torch.distributed.new_group returns "
+            "GroupMember.NON_GROUP_MEMBER to the processes outside the group): give every process the data "
+            "parallel group that holds it."
+        )
     if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
         raise TypeError(
             f"`process_group` must be a torch.distributed ProcessGroup (the data parallel group), got "
@@ -133,31 +147,49 @@ def _from_strategy(strategy: Any) -> DataParallelGroup:
     return DataParallelGroup(None, world, f"{name}: every process is a data parallel replica")
 
 
-def _mesh_groups() -> tuple[list[Any], list[Any]]:
-    """This process's data parallel mesh groups and its other groups smaller than the world.
+def _mesh_groups() -> list[tuple[str, Any]]:
+    """The device mesh dimensions this process belongs to: ``(dimension name, process group)``.
 
-    torch keeps no public list of process groups; this reads the c10d registry where it can and
+    Only groups made by a ``DeviceMesh`` are read (their description is ``mesh_<dimension>``): a mesh is
+    made by every process, so every process reads the same names. Plain groups of the user's
+    (``new_group``) say nothing about the data, and only their members hold them, so they are left
+    out. torch keeps no public list of process groups; this reads the c10d registry where it can and
     returns nothing where it cannot (then the world is taken, as before meshes existed).
     """
     registry = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", None)
     if not isinstance(registry, dict):
-        return [], []
-    world = dist.get_world_size()
-    dp, other = [], []
+        return []
+    found = []
     for pg in list(registry):
         if pg is None or pg == dist.GroupMember.NON_GROUP_MEMBER:
             continue
-        size = pg.size()
-        if getattr(pg, "group_desc", None) == f"mesh_{DATA_PARALLEL_DIM}":
-            dp.append(pg)
-        elif 1 < size < world:
-            other.append(pg)
-    return dp, other
+        desc = getattr(pg, "group_desc", None)
+        if isinstance(desc, str) and desc.startswith("mesh_") and desc != "mesh_default":
+            found.append((desc[len("mesh_"):], pg))
+    return found
+
+
+#: Words of a mesh dimension's name that say its processes hold the *same* data (model parallel).
+MODEL_PARALLEL_WORDS = frozenset(
+    {"tp", "tensor", "cp", "context", "pp", "pipeline", "ep", "expert", "sp", "sequence", "mp", "model"}
+)
+
+
+def _holds_same_data(name: str) -> bool:
+    """Whether a mesh dimension named ``name`` may hold the same data on its processes (or says nothing)."""
+    if re.fullmatch(r"dim_\d+", name):  # an unnamed mesh: nothing says which dimension is which
+        return True
+    return bool(MODEL_PARALLEL_WORDS & set(name.lower().split("_")))
 
 
 def _discovered() -> Optional[DataParallelGroup]:
-    """The data parallel group of the device mesh this process made, if any (see the module docstring)."""
-    dp, other = _mesh_groups()
+    """The data parallel group of the device mesh this process made, if any (see the module docstring).
+
+    Reads only what every process holds alike (the meshes' dimensions), so every process takes the
+    same decision, or raises the same error, without communicating.
+    """
+    dims = _mesh_groups()
+    dp = [pg for name, pg in dims if name == DATA_PARALLEL_DIM]
     if dp:
         ranks = {tuple(dist.get_process_group_ranks(pg)) for pg in dp}
         if len(ranks) > 1:
@@ -167,23 +199,43 @@ def _discovered() -> Optional[DataParallelGroup]:
             )
         group = dp[-1]
         return DataParallelGroup(group if group.size() > 1 else None, group.size(), "the device mesh's data parallel group")
-    if other:
-        sizes = sorted({pg.size() for pg in other})
+    # a dimension of one process shares its data with no other (Lightning's tensor_parallel of size 1)
+    unread = sorted({name for name, pg in dims if _holds_same_data(name) and pg.size() > 1})
+    if unread:
         raise ValueError(
-            f"torch.distributed has {dist.get_world_size()} processes and process groups of size {sizes}, but no "
-            f"device mesh dimension named {DATA_PARALLEL_DIM!r}: which processes hold different data is "
-            "ambiguous. Pass the data parallel `process_group` (or a `device_mesh`); when every process holds "
-            "its own data (DDP, hybrid-sharded FSDP), that is `torch.distributed.group.WORLD`."
+            f"a device mesh has dimensions {unread} (model parallel, or unnamed) and none named "
+            f"{DATA_PARALLEL_DIM!r}: which processes hold different data is ambiguous. Pass the data parallel "
+            "`process_group` (or `device_mesh`); when every process holds its own data, that is "
+            "`torch.distributed.group.WORLD`."
         )
-    return None
+    return None  # no mesh, or only data parallel dimensions (hybrid-sharded FSDP): every process is a replica
 
 
-def _same(a: DataParallelGroup, b: DataParallelGroup) -> bool:
-    if a.size != b.size:
-        return False
-    if a.size == 1:
-        return True
-    return dist.get_process_group_ranks(a.group or dist.group.WORLD) == dist.get_process_group_ranks(b.group or dist.group.WORLD)
+def agree(problem: Optional[str], group: Any = None, error: type = ValueError) -> None:
+    """Raise ``error`` on every process of ``group`` when any of them found a ``problem``; else return.
+
+    Each process passes its own finding (a message, or None). One ``all_reduce`` of a flag tells every
+    process whether any found one; only then are the messages gathered, so that every process raises
+    the same error (the first rank's message, with its rank) instead of some raising while the others
+    wait in their next collective. Outside ``torch.distributed`` (or a group of one), ``problem`` is
+    raised as it is. Every process of ``group`` must call it.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        if problem is not None:
+            raise error(problem)
+        return
+    device = torch.device("cpu")
+    if dist.get_backend(group) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    flag = torch.tensor([0 if problem is None else 1], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if not int(flag.item()):
+        return
+    found: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(found, problem, group=group)
+    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+    first = next(i for i, message in enumerate(found) if message is not None)
+    raise error(f"{found[first]} (found on rank {ranks[first]}; every rank raises this error)")
 
 
 def data_parallel_group(
@@ -200,34 +252,21 @@ def data_parallel_group(
         A :class:`DataParallelGroup`; size 1 outside ``torch.distributed``.
 
     Raises:
-        ValueError: for a layout this cannot read (it asks for the group), or a group given that
-            disagrees with the strategy's or the device mesh's (both named).
+        ValueError: for a layout that discovery cannot read (it asks for the group; never when a group
+            is given), the same on every process.
 
     Example:
         >>> data_parallel_group()  # no torch.distributed: nothing to reduce
         DataParallelGroup(group=None, size=1, source='a single process')
     """
     check_parallel_args(process_group, device_mesh)
-    given: Optional[DataParallelGroup] = None
-    if process_group is not None:
-        given = _from_group(process_group, "the `process_group` given")
-    elif device_mesh is not None:
-        given = _from_mesh(device_mesh, "the `device_mesh` given")
-    distributed = dist.is_available() and dist.is_initialized()
+    if process_group is not None:  # an explicit group wins: nothing is discovered, nothing compared
+        return _from_group(process_group, "the `process_group` given")
+    if device_mesh is not None:
+        return _from_mesh(device_mesh, "the `device_mesh` given")
     if strategy is not None:
-        found = _from_strategy(strategy)
-    elif distributed:
-        found = _discovered() if given is None or given.size > 1 else None
-        if found is None and given is None:
-            found = DataParallelGroup(None, dist.get_world_size(), "the world: no device mesh")
-    else:
-        found = _SINGLE if given is None else None
-    if given is None:
-        assert found is not None
-        return found
-    if found is not None and not _same(given, found):
-        raise ValueError(
-            f"{given.source} ({given.size} processes) does not match {found.source} ({found.size} processes): "
-            "the data parallel group is the one over which the gradients are averaged."
-        )
-    return given
+        return _from_strategy(strategy)
+    if not (dist.is_available() and dist.is_initialized()):
+        return _SINGLE
+    found = _discovered()
+    return found if found is not None else DataParallelGroup(None, dist.get_world_size(), "the world: every process is a replica")

@@ -100,6 +100,9 @@ def as_vocab_shard(x: object, name: str) -> VocabShard:
 
     A DTensor must be ``Shard(-1)`` on one mesh dimension and ``Replicate()`` on the others.
 
+    The group ``None`` is returned as the default group (``torch.distributed.group.WORLD``): the
+    two spellings are one group everywhere.
+
     Raises:
         TypeError: for logits that are not a floating point tensor (or are a DTensor inside a
             :class:`VocabShard`), an offset that is not an int.
@@ -124,7 +127,12 @@ def as_vocab_shard(x: object, name: str) -> VocabShard:
         raise ValueError(f"`{name}.offset` must be >= 0 (the shard's first vocabulary id), got {offset}.")
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         raise ValueError(f"`{name}` is a VocabShard but torch.distributed is not initialized: a shard needs its process group.")
-    return x
+    # None is the default group: one object for both spellings, so that shards compare alike
+    return VocabShard(local, _default_group() if group is None else group, offset)
+
+
+def _default_group() -> Any:
+    return torch.distributed.group.WORLD
 
 
 def _from_dtensor(x: Any, name: str) -> VocabShard:
