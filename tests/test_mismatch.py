@@ -340,7 +340,8 @@ class _Corrected(pl.LightningModule):
         fix = self.correction(logprob.detach(), batch["rollout_logprobs"], mask)  # decoupled: old = trainer's
         ratio = torch.exp(logprob - fix.old_logprob)
         policy = lk.aggregate(-fix.weights * ratio * batch["advantages"][:, None], fix.mask, "token-mean")
-        kl = self.kl(logprob, batch["ref_logprobs"], fix.mask, old_logprob=fix.old_logprob)
+        # the KL term's sampler is the engine: its weight pi / mu is the whole chain (docs/mismatch.md)
+        kl = self.kl(logprob, batch["ref_logprobs"], fix.mask, old_logprob=batch["rollout_logprobs"])
         self.mismatch.update(logprob, batch["rollout_logprobs"], mask)
         self.log_dict({f"mismatch/{k}": v for k, v in fix.metrics.items() if k in ("kl", "rollout_is_mean")})
         self.seen.append({"kept": int(fix.mask.sum()), "tokens": int(mask.sum())})
