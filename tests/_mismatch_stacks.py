@@ -1,10 +1,13 @@
 """The other stacks' own rollout-correction code, loaded from their installed packages with their
 framework imports stubbed, for ``tests/test_mismatch_stacks.py``.
 
-Each stack is installed without its dependencies (``pip install --no-deps verl==0.9.1 trl==1.16.0
-openrlhf==0.11.2``, which CI's install line does); a loader skips the calling test when the package
-or the pinned version is missing. Nothing here copies their code: the files are read from the
-installed package and executed as they are.
+Each stack is installed without its dependencies, either into a folder named by the environment
+variable ``LIGHTNING_KL_STACKS`` (``pip install --no-deps --target DIR verl==0.9.1 trl==1.16.0
+openrlhf==0.11.2``: nothing else imports them from there) or into the environment; a loader skips the
+calling test when the package or the pinned version is missing. (Installed into the environment
+without its dependencies, ``trl`` imports but its modules do not, which ``benchmarks/gpu.py`` reports
+as an error of its TRL anchor: prefer the folder.) Nothing here copies their code: the files are read
+from the installed package and executed as they are.
 
 * verl: ``verl/trainer/ppo/rollout_corr_helper.py`` and ``verl/utils/torch_functional.py`` as
   modules, ``verl/trainer/config/algorithm.py`` for the presets of ``RolloutCorrectionConfig``;
@@ -23,6 +26,7 @@ import ast
 import importlib.metadata
 import importlib.util
 import math
+import os
 import sys
 import types
 from pathlib import Path
@@ -36,10 +40,20 @@ VERSIONS = {"verl": "0.9.1", "trl": "1.16.0", "openrlhf": "0.11.2"}
 
 def package_root(name: str) -> Path:
     """The installed package's folder, or skip the test (not installed, or another version)."""
+    stacks = os.environ.get("LIGHTNING_KL_STACKS")
+    if stacks:
+        for dist in importlib.metadata.distributions(path=[stacks]):
+            if dist.metadata["Name"].lower() == name:
+                if dist.version != VERSIONS[name]:
+                    pytest.skip(f"{name} {dist.version} is in {stacks}; these tests read {name} {VERSIONS[name]}")
+                return Path(stacks) / name
     try:
         version = importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
-        pytest.skip(f"{name} is not installed (pip install --no-deps {name}=={VERSIONS[name]})")
+        pytest.skip(
+            f"{name} is not installed (pip install --no-deps --target DIR {name}=={VERSIONS[name]}, "
+            "then LIGHTNING_KL_STACKS=DIR)"
+        )
     if version != VERSIONS[name]:
         pytest.skip(f"{name} {version} is installed; these tests read {name} {VERSIONS[name]}")
     spec = importlib.util.find_spec(name)  # finds the folder without running the package's __init__
