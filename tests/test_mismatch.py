@@ -377,3 +377,33 @@ def test_a_lightning_loop_trains_with_the_corrected_loss(quiet_trainer: Any) -> 
     assert len(module.seen) == len(data) and all(0 < s["kept"] <= s["tokens"] for s in module.seen)
     got = module.mismatch.compute()
     assert torch.isfinite(got["kl"]) and float(got["k3_kl"]) > 0  # k3 >= 0, and the copies differ
+
+
+# =================================================================================================
+# the exact-enumeration study of docs/mismatch.md: its claims, recomputed
+
+
+def test_the_study_figures_of_the_docs_hold() -> None:
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "mismatch_study.py"
+    spec = importlib.util.spec_from_file_location("lk_mismatch_study", path)
+    assert spec is not None and spec.loader is not None
+    study = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = study
+    spec.loader.exec_module(study)
+    results = study.study()
+    bias = {eps: {name: r["bias"] for name, r in per.items()} for eps, per in results.items()}
+    # uncorrected: off in proportion to the mismatch (docs: 1.8%, 6.1%, 18%, 57%)
+    assert [round(bias[e]["none"], 3) for e in study.EPSILONS] == [0.018, 0.061, 0.184, 0.569]
+    for eps in study.EPSILONS:
+        # untruncated sequence weights are exact at every size; token weights are not
+        assert bias[eps]["sequence IS (no cap)"] < 1e-12
+        assert 0.7 * bias[eps]["none"] < bias[eps]["token IS (no cap)"] < 0.85 * bias[eps]["none"]
+    for eps in (0.03, 0.1):  # every sequence weight inside [0.5, 2]: truncation and masking change nothing
+        assert bias[eps]["sequence TIS (c = 2)"] < 1e-12 and bias[eps]["sequence MIS [0.5, 2]"] < 1e-12
+    assert round(bias[0.3]["sequence TIS (c = 2)"], 3) == 0.019
+    # the price of the untruncated sequence weight: its noise at the largest mismatch
+    assert results[1.0]["sequence IS (no cap)"]["std"] > 4 * results[1.0]["none"]["std"]
