@@ -148,6 +148,10 @@ def _series(csv_path: Path, key: str) -> list[float]:
         return [float(row[key]) for row in csv.DictReader(f) if row.get(key)]
 
 
+def _running_mean(values: list[float], k: int = 15) -> list[float]:
+    return [sum(values[max(0, i - k + 1) : i + 1]) / len(values[max(0, i - k + 1) : i + 1]) for i in range(len(values))]
+
+
 def plot(save_dir: Path, runs: list[str], out: Path) -> str:
     """The mismatch (k3_kl per token) and the accuracy of every run over its rollouts; a markdown table."""
     plt = _runs.pyplot()
@@ -160,11 +164,10 @@ def plot(save_dir: Path, runs: list[str], out: Path) -> str:
         csv_path = version / "metrics.csv"
         k3, acc = _series(csv_path, "mismatch/k3_kl"), _series(csv_path, "train/acc")
         gap = _series(csv_path, "mismatch/logp_abs_diff_max")
-        smooth = [sum(acc[max(0, i - 14) : i + 1]) / len(acc[max(0, i - 14) : i + 1]) for i in range(len(acc))]
-        axes[0].semilogy(k3, label=name, lw=0.8)
-        axes[1].plot(smooth, label=name)
+        axes[0].semilogy(_running_mean(k3), label=name)
+        axes[1].plot(_running_mean(acc), label=name)
         lines.append(f"| {name} | {sum(k3) / len(k3):.2e} | {sum(gap) / len(gap):.3f} | {_runs.last_quarter_mean(acc):.3f} |")
-    axes[0].set(title="mismatch: k3_kl of trainer vs engine, per token", xlabel="rollout")
+    axes[0].set(title="mismatch: k3_kl per token (mean of 15 rollouts)", xlabel="rollout", ylim=(1e-6, 1e-1))
     axes[1].set(title="accuracy of sampled answers (mean of 15)", xlabel="rollout", ylim=(0, 1))
     axes[1].legend(fontsize=7)
     _runs.save_figure(fig, "GRPO with a bfloat16 or stale engine, with and without correction", out)
