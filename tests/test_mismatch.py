@@ -407,3 +407,44 @@ def test_the_study_figures_of_the_docs_hold() -> None:
     assert round(bias[0.3]["sequence TIS (c = 2)"], 3) == 0.019
     # the price of the untruncated sequence weight: its noise at the largest mismatch
     assert results[1.0]["sequence IS (no cap)"]["std"] > 4 * results[1.0]["none"]["std"]
+
+
+# =================================================================================================
+# the Hugging Face mismatch example parses, and refuses a bad engine or correction before any step
+
+
+def _hf_mismatch() -> Any:
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    root = Path(__file__).resolve().parent.parent
+    if "hf_mismatch" in sys.modules:
+        return sys.modules["hf_mismatch"]
+    spec = importlib.util.spec_from_file_location("hf_mismatch", root / "examples" / "hf_mismatch.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["hf_mismatch"] = module  # jsonargparse finds classes by module name
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_hf_mismatch_example_parses_its_engine_and_correction(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+    from pathlib import Path
+
+    ex = _hf_mismatch()
+    monkeypatch.setattr(sys, "argv", ["hf_mismatch.py"])  # LightningCLI reads args=, not pytest's argv
+
+    config = Path(__file__).resolve().parent.parent / "examples" / "configs" / "hf_grpo_lora.yaml"
+    base = ["--config", str(config), "--trainer.logger=false", f"--model.cache_dir={tmp_path}", "--data.top_p=1.0"]
+    cli = ex.main([*base, "--data.engine=stale", "--data.engine_lag=2", "--model.correction=seq_tis"], run=False)
+    assert (cli.datamodule.engine, cli.datamodule.engine_lag) == ("stale", 2)
+    assert (cli.model.correction.weights, cli.model.correction.upper) == ("sequence", 2.0)
+    with pytest.raises(ValueError, match=r"unknown `engine` 'fp8'; valid engines: policy, bfloat16, stale"):
+        ex.main([*base, "--data.engine=fp8"], run=False)
+    with pytest.raises(ValueError, match=r"unknown `correction` 'tis'; valid: none, token_tis, seq_tis"):
+        ex.main([*base, "--model.correction=tis"], run=False)
+    assert not list(Path(tmp_path).iterdir())  # refused before any pretraining
