@@ -293,6 +293,8 @@ def test_yaml_builds_it_from_plain_values() -> None:
     fix = lk.RolloutCorrection(**cfg.fix)
     assert (fix.weights, fix.mode, fix.lower, fix.upper) == ("sequence", "mask", 0.5, 5.0)
     assert [(o.name, o.lower, o.upper) for o in fix.rejection] == [("token_k1", 0.5, 2.0), ("seq_mean_k3", None, 0.01)]
+    again = pickle.loads(pickle.dumps(fix))  # a module that checkpoints and spawned processes can carry
+    assert (again.weights, again.mode, again.rejection) == (fix.weights, fix.mode, fix.rejection)
 
 
 # =================================================================================================
