@@ -198,6 +198,21 @@ def _loss_call(device: torch.device, estimator: str, from_hidden: bool = False) 
     return lambda: loss_fn(logprob, ref, mask, num_tokens=totals["num_tokens"], num_seqs=totals["num_seqs"], accumulate_grad_batches=2).backward()
 
 
+def _mismatch_call(device: torch.device, which: str) -> Callable[[], Any]:
+    """The rollout/trainer mismatch: ``mismatch_metrics``, ``MismatchMetric``, ``RolloutCorrection``."""
+    logprob, rollout, mask = sampled_inputs((4, 8), torch.float32, device)
+    logprob = logprob.detach()
+    if which == "metrics":
+        return lambda: lk.mismatch_metrics(logprob, rollout, mask)
+    if which == "metric":
+        metric = lk.MismatchMetric().to(device)
+        return lambda: (metric.update(logprob, rollout, mask), metric.compute())
+    fix = lk.RolloutCorrection("token", mode="mask", lower=0.5, upper=2.0, batch_normalize=True, rejection="token_k1,seq_max_k3",
+                               rejection_threshold="0.5_2.0,0.2", offpolicy_mask_threshold=0.0)  # fmt: skip
+    advantages = torch.randn(4, device=device)
+    return lambda: fix(logprob, rollout, mask, advantages=advantages)
+
+
 def _metric_call(device: torch.device, masked: bool) -> Callable[[], Any]:
     metric = lk.KLMetric().to(device)
     values, _, mask = sampled_inputs((4, 8), torch.float32, device)
@@ -391,6 +406,9 @@ SYNC_CALLS: list[SyncCall] = [
     SyncCall("KLPenaltyLoss full FromHidden level=sequence", ("KLPenaltyLoss", "FromHidden"), lambda d: _loss_call(d, "full", from_hidden=True), syncs=_FULL + "; " + _IDS),
     SyncCall("KLMetric update+compute (mask)", ("KLMetric",), lambda d: _metric_call(d, True)),
     SyncCall("KLMetric update+compute (no mask)", ("KLMetric",), lambda d: _metric_call(d, False), syncs=_H2D + ": the token count (metric.py)", kind="copy"),
+    SyncCall("mismatch_metrics (mask)", ("mismatch_metrics",), lambda d: _mismatch_call(d, "metrics")),
+    SyncCall("MismatchMetric update+compute (mask)", ("MismatchMetric",), lambda d: _mismatch_call(d, "metric")),
+    SyncCall("RolloutCorrection token mask, batch_normalize, rejection, off-policy mask", ("RolloutCorrection",), lambda d: _mismatch_call(d, "correction")),
     SyncCall("FixedKLController.update(tensors)", ("FixedKLController", "KLController"), lambda d: _controller_call(d, False)),
     SyncCall("AdaptiveKLController.update(tensors)", ("AdaptiveKLController", "KLController"), lambda d: _controller_call(d, True)),
     SyncCall("TargetKLController.update(tensors)", ("TargetKLController", "KLController"), lambda d: _new_controller_call(d, "target")),

@@ -7,6 +7,7 @@ settle_vector_math()  # first of all: oneMKL picks its exp/log kernels at this c
 from lightning_kl.accumulation import step_totals
 from lightning_kl.callback import KLRewardCallback
 from lightning_kl.controllers import AdaptiveKLController, FixedKLController, KLController, KLSchedule, TargetKLController
+from lightning_kl.correction import RolloutCorrection
 from lightning_kl.estimators import (
     BASE_ESTIMATORS,
     ESTIMATORS,
@@ -25,6 +26,8 @@ from lightning_kl.kernels.full import full_kl, full_kl_from_hidden
 from lightning_kl.logprobs import FromHidden, token_logprobs, token_logprobs_from_hidden
 from lightning_kl.loss import KLPenaltyLoss
 from lightning_kl.metric import KLMetric
+from lightning_kl.mismatch import mismatch_metrics
+from lightning_kl.mismatch_metric import MismatchMetric
 from lightning_kl.refresh import ReferenceRefresh
 from lightning_kl.rollouts import OnPolicyRollouts
 from lightning_kl.sampling import (
@@ -54,12 +57,14 @@ __all__ = [
     "KLPenaltyLoss",
     "KLRewardCallback",
     "KLSchedule",
+    "MismatchMetric",
     "LEVELS",
     "Level",
     "OUTSIDE_MODES",
     "OnPolicyRollouts",
     "REFERENCES",
     "ReferenceRefresh",
+    "RolloutCorrection",
     "SAMPLED_ESTIMATORS",
     "SampledEstimatorName",
     "VocabShard",
@@ -71,6 +76,7 @@ __all__ = [
     "full_kl_from_hidden",
     "hf",
     "kl_penalty",
+    "mismatch_metrics",
     "parse_estimator",
     "processed_full_kl",
     "processed_logprobs",

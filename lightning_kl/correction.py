@@ -1,0 +1,396 @@
+r"""``RolloutCorrection``: importance weights and a kept mask for tokens sampled by another engine."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional, Union
+
+import torch
+from torch import Tensor, nn
+
+from lightning_kl.ground.parallel import check_parallel_args, data_parallel_group
+from lightning_kl.mismatch import (
+    REJECTION_OPTIONS,
+    WEIGHT_LEVELS,
+    WEIGHT_MODES,
+    check_mismatch_inputs,
+    dtype_of,
+    importance_weights,
+    log_ratio,
+    mismatch_compute,
+    mismatch_totals,
+    normalize_weights,
+    offpolicy_keep,
+    parse_rejection,
+    rejection_keep,
+    weight_mean_terms,
+    weight_metrics,
+)
+
+__all__ = ["RolloutCorrection", "RolloutCorrectionResult"]
+
+WeightLevel = Union[Literal[WEIGHT_LEVELS], None]  # type: ignore[valid-type]
+WeightMode = Union[Literal[WEIGHT_MODES], str]  # type: ignore[valid-type]
+
+#: the keys of verl's ``algorithm.rollout_correction`` block (verl 0.9.1), with verl's defaults
+VERL_DEFAULTS: dict[str, Any] = {
+    "rollout_is": None,
+    "rollout_is_threshold": 2.0,
+    "rollout_is_batch_normalize": False,
+    "rollout_rs": None,
+    "rollout_rs_threshold": None,
+    "bypass_mode": False,
+    "loss_type": "ppo_clip",
+}
+#: TRL's ``GRPOConfig`` fields read by :meth:`RolloutCorrection.from_trl` (TRL 1.16), with TRL's defaults
+TRL_DEFAULTS: dict[str, Any] = {
+    "vllm_importance_sampling_correction": True,
+    "vllm_importance_sampling_mode": "sequence_mask",
+    "vllm_importance_sampling_clip_min": None,
+    "vllm_importance_sampling_clip_max": 3.0,
+    "vllm_importance_sampling_cap": None,
+    "off_policy_mask_threshold": None,
+}
+TRL_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+#: OpenRLHF's ``algo.advantage`` settings read by :meth:`RolloutCorrection.from_openrlhf` (OpenRLHF 0.11.2)
+OPENRLHF_DEFAULTS: dict[str, Any] = {
+    "is_correction_level": "off",
+    "is_correction_mode": "mask",
+    "is_correction_gating": "ratio",
+    "is_correction_threshold": (0.5, 5.0),
+}
+
+
+@dataclass
+class RolloutCorrectionResult:
+    """What :class:`RolloutCorrection` returns.
+
+    Attributes:
+        weights: ``[..., t]`` the detached importance weights, 0 at padded positions; None when the
+            correction asks for no weights.
+        mask: ``[..., t]`` bool, the response mask after rejection: multiply nothing by it, aggregate
+            with it.
+        metrics: 0-d tensors: the mismatch diagnostics (:func:`lightning_kl.mismatch_metrics`) and the
+            weights' and rejection's statistics under verl's names (``docs/mismatch.md``).
+        old_logprob: ``[..., t]`` the log-probs of the policy ratio's denominator: the trainer's
+            (``logprob``, detached) in the decoupled mode, the engine's (``rollout_logprob``) in the
+            bypass mode.
+    """
+
+    weights: Optional[Tensor]
+    mask: Tensor
+    metrics: dict[str, Tensor] = field(default_factory=dict)
+    old_logprob: Optional[Tensor] = None
+
+
+def _number(name: str, value: Any, allow_none: bool = True) -> Optional[float]:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"`{name}` must be a number{' or None' if allow_none else ''}, got {value!r}.")
+    value = float(value)
+    if not value > 0 or not math.isfinite(value):
+        raise ValueError(f"`{name}` must be positive and finite, got {value!r}.")
+    return value
+
+
+def _choice(name: str, value: Any, valid: tuple[Any, ...]) -> Any:
+    if value not in valid:
+        raise ValueError(f"unknown `{name}` {value!r}; valid values: {', '.join(repr(v) for v in valid)}.")
+    return value
+
+
+def _read(cfg: Any, defaults: dict[str, Any], who: str, strict: bool) -> dict[str, Any]:
+    """The settings of ``cfg`` (a mapping or an object with attributes), verbatim, over ``defaults``."""
+    out = dict(defaults)
+    if isinstance(cfg, Mapping):
+        extra = sorted(str(k) for k in cfg if k not in defaults and k != "_target_")
+        if strict and extra:
+            raise ValueError(f"unknown key(s) {extra} in {who}'s configuration; valid keys: {', '.join(defaults)}.")
+        out.update({k: cfg[k] for k in cfg if k in defaults})
+    elif cfg is not None:
+        out.update({k: getattr(cfg, k) for k in defaults if hasattr(cfg, k)})
+    return out
+
+
+class RolloutCorrection(nn.Module):
+    r"""Importance weights and a rejection mask for responses sampled by a rollout engine.
+
+    Notation: ``b`` batch, ``t`` response length; :math:`\ell_t = \log\pi(x_t) - \log\mu(x_t)` the
+    log-ratio of the trainer's log-prob ``logprob`` to the engine's ``rollout_logprob``.
+
+    Configured by names and numbers (a YAML file can hold it), validated here:
+
+    * **weights** (``weights``, ``mode``, ``lower``, ``upper``, ``batch_normalize``): at the
+      ``"token"`` level :math:`w_t = e^{\ell_t}`, at the ``"sequence"`` level
+      :math:`w = e^{\sum_t \ell_t}` on every token, at the ``"geometric"`` level
+      :math:`w = e^{\frac1n\sum_t \ell_t}` (log-weights clamped to :math:`\pm 20`); then clamped to
+      ``[lower, upper]`` (``mode="truncate"``: TIS) or set to 0 outside it (``mode="mask"``:
+      IcePop, MIS); a bound of None is no bound. ``batch_normalize`` divides them by their mean over
+      the data parallel group's valid tokens (the sequence levels: its sequences), as verl.
+    * **rejection** (``rejection``, ``rejection_threshold``): verl's ``rollout_rs`` options and
+      threshold syntax (:data:`lightning_kl.mismatch.REJECTION_OPTIONS`): a token, or every token of
+      a sequence, leaves the mask when a divergence of the two log-probs exceeds its bound; every
+      option must pass.
+    * **offpolicy_mask_threshold**: DeepSeek-V3.2's off-policy sequence mask (TRL's
+      ``off_policy_mask_threshold``): a sequence with a negative advantage whose mean
+      :math:`\log\mu - \log\pi` exceeds it leaves the mask. Needs ``advantages``.
+    * **bypass**: the engine's log-probs serve as the old log-probs (verl's ``bypass_mode``): the
+      result's ``old_logprob`` is ``rollout_logprob``, and ``logprob`` is then the current policy's.
+
+    Calling it returns a :class:`RolloutCorrectionResult`: ``.weights`` (detached; None when
+    ``weights=None``), ``.mask`` (the kept tokens), ``.metrics`` (0-d tensors, no host read),
+    ``.old_logprob``. Into the loss (``docs/mismatch.md``)::
+
+        fix = self.correction(old_logprob, batch["rollout_logprobs"], mask)     # in training_step
+        ratio = torch.exp(logprob - fix.old_logprob)
+        pg = lk.aggregate(-fix.weights * ratio * advantages[:, None], fix.mask, "token-mean")
+
+    Args:
+        weights: one of :data:`lightning_kl.mismatch.WEIGHT_LEVELS`, or None (no weights).
+        mode: one of :data:`lightning_kl.mismatch.WEIGHT_MODES`.
+        lower: the lower bound of the weights, or None.
+        upper: the upper bound of the weights, or None.
+        batch_normalize: divide the weights by their batch mean (as verl's
+            ``rollout_is_batch_normalize``).
+        rejection: verl's ``rollout_rs``: option names, comma-separated or as a list, or None.
+        rejection_threshold: verl's ``rollout_rs_threshold``: one shared threshold, or one per option;
+            a ``k1`` option takes ``"lower_upper"`` ratio bounds.
+        offpolicy_mask_threshold: the :math:`\delta` of DeepSeek-V3.2's off-policy sequence mask, or None.
+        bypass: the engine's log-probs are the old log-probs.
+        process_group, device_mesh: the data parallel group of ``batch_normalize`` (default: found by
+            itself, as :class:`~lightning_kl.KLMetric` does).
+
+    Raises:
+        ValueError, TypeError: for a bad name (the valid ones listed), a bound that is not positive,
+            ``lower > upper``, a ``"mask"`` mode with no bound, ``batch_normalize`` without weights, a
+            bad rejection option or threshold.
+
+    Example:
+        >>> fix = RolloutCorrection("token", upper=2.0)
+        >>> out = fix(torch.tensor([[-1.0, -0.5, 0.0]]), torch.tensor([[-2.0, -0.5, 9.9]]),
+        ...           torch.tensor([[True, True, False]]))
+        >>> out.weights  # e^1 truncated at 2, e^0, padding
+        tensor([[2., 1., 0.]])
+        >>> RolloutCorrection("token", mode="mask", lower=0.5, upper=5.0)(
+        ...     torch.tensor([[-1.0, -3.0]]), torch.tensor([[-2.0, -1.0]])).weights  # IcePop
+        tensor([[2.7183, 0.0000]])
+    """
+
+    def __init__(
+        self,
+        weights: WeightLevel = "token",
+        mode: WeightMode = "truncate",
+        lower: Optional[float] = None,
+        upper: Optional[float] = 2.0,
+        batch_normalize: bool = False,
+        rejection: Optional[Union[str, list[str]]] = None,
+        rejection_threshold: Optional[Union[float, str, list[Union[float, str]]]] = None,
+        offpolicy_mask_threshold: Optional[float] = None,
+        bypass: bool = False,
+        process_group: Any = None,
+        device_mesh: Any = None,
+    ) -> None:
+        super().__init__()
+        self.weights = _choice("weights", weights, (*WEIGHT_LEVELS, None))
+        self.mode = _choice("mode", mode, WEIGHT_MODES)
+        self.lower = _number("lower", lower)
+        self.upper = _number("upper", upper)
+        if self.lower is not None and self.upper is not None and self.lower > self.upper:
+            raise ValueError(f"`lower` ({self.lower}) must not exceed `upper` ({self.upper}).")
+        if self.weights is not None and self.mode == "mask" and self.lower is None and self.upper is None:
+            raise ValueError("mode='mask' zeroes the weights outside [lower, upper]: give `lower`, `upper` or both.")
+        if not isinstance(batch_normalize, bool):
+            raise TypeError(f"`batch_normalize` must be a bool, got {batch_normalize!r}.")
+        if batch_normalize and self.weights is None:
+            raise ValueError("`batch_normalize=True` normalizes the weights, but `weights` is None.")
+        self.batch_normalize = batch_normalize
+        self.rejection = None if rejection is None else parse_rejection(rejection, rejection_threshold)
+        if rejection is None and rejection_threshold is not None:
+            raise ValueError(
+                f"`rejection_threshold` {rejection_threshold!r} given without `rejection`; valid options: "
+                f"{', '.join(REJECTION_OPTIONS)}."
+            )
+        if offpolicy_mask_threshold is not None:
+            if isinstance(offpolicy_mask_threshold, bool) or not isinstance(offpolicy_mask_threshold, (int, float)):
+                raise TypeError(f"`offpolicy_mask_threshold` must be a number or None, got {offpolicy_mask_threshold!r}.")
+            if not math.isfinite(offpolicy_mask_threshold):
+                raise ValueError(f"`offpolicy_mask_threshold` must be finite, got {offpolicy_mask_threshold!r}.")
+            offpolicy_mask_threshold = float(offpolicy_mask_threshold)
+        self.offpolicy_mask_threshold = offpolicy_mask_threshold
+        if not isinstance(bypass, bool):
+            raise TypeError(f"`bypass` must be a bool, got {bypass!r}.")
+        self.bypass = bypass
+        check_parallel_args(process_group, device_mesh)
+        self.data_parallel = (process_group, device_mesh)
+
+    def extra_repr(self) -> str:
+        parts = [f"weights={self.weights!r}"]
+        if self.weights is not None:
+            parts += [f"mode={self.mode!r}", f"lower={self.lower}", f"upper={self.upper}"]
+            if self.batch_normalize:
+                parts.append("batch_normalize=True")
+        if self.rejection:
+            parts.append(f"rejection={[o.name for o in self.rejection]}")
+        if self.offpolicy_mask_threshold is not None:
+            parts.append(f"offpolicy_mask_threshold={self.offpolicy_mask_threshold}")
+        if self.bypass:
+            parts.append("bypass=True")
+        return ", ".join(parts)
+
+    def forward(
+        self,
+        logprob: Tensor,
+        rollout_logprob: Tensor,
+        mask: Optional[Tensor] = None,
+        advantages: Optional[Tensor] = None,
+    ) -> RolloutCorrectionResult:
+        """Weights, kept mask and metrics for one batch (see the class docstring).
+
+        Args:
+            logprob: ``[..., t]`` the trainer's log-probs of the sampled tokens: the old policy's
+                (decoupled), or the current one's (``bypass``; detached here either way).
+            rollout_logprob: ``[..., t]`` the engine's log-probs of the same tokens.
+            mask: optional ``[..., t]`` mask, True on response tokens.
+            advantages: ``[...]``, ``[..., 1]`` or ``[..., t]``; needed by ``offpolicy_mask_threshold``.
+        """
+        mask = check_mismatch_inputs(logprob, rollout_logprob, mask)
+        m = torch.ones(logprob.shape, dtype=torch.bool, device=logprob.device) if mask is None else mask
+        if self.offpolicy_mask_threshold is not None:
+            if not isinstance(advantages, Tensor):
+                raise ValueError("`offpolicy_mask_threshold` is set: pass `advantages` (the sequences' advantages).")
+            if advantages.shape not in (m.shape, m.shape[:-1], (*m.shape[:-1], 1)):
+                raise ValueError(
+                    f"`advantages` must be [...], [..., 1] or [..., t] for log-probs {tuple(m.shape)}, got "
+                    f"{tuple(advantages.shape)}."
+                )
+        dtype = dtype_of(logprob, rollout_logprob)
+        lr = log_ratio(logprob, rollout_logprob, m, dtype)
+        metrics: dict[str, Tensor] = {}
+        weights = None
+        if self.weights is not None:
+            raw, weights = importance_weights(lr, m, self.weights, self.mode, self.lower, self.upper)
+            metrics.update(weight_metrics(raw, weights, lr, m, self.weights, self.mode, self.lower, self.upper))
+            if self.batch_normalize:
+                terms = data_parallel_group(*self.data_parallel).all_reduce_sum(weight_mean_terms(weights, m, self.weights))
+                weights, metrics["rollout_is_batch_norm_factor"] = normalize_weights(weights, terms)
+        keep = m
+        if self.rejection:
+            keep, rs_metrics = rejection_keep(lr, m, self.rejection)
+            metrics.update(rs_metrics)
+        if self.offpolicy_mask_threshold is not None:
+            assert advantages is not None
+            kept = offpolicy_keep(lr, m, advantages, self.offpolicy_mask_threshold)
+            dropped = (m & ~kept).any(-1)
+            metrics["offpolicy_seq_masked_fraction"] = dropped.sum().to(torch.float64) / m.any(-1).sum().to(torch.float64)
+            keep = keep & kept
+        metrics.update(mismatch_compute(mismatch_totals(logprob, rollout_logprob, mask)))
+        old = rollout_logprob if self.bypass else logprob.detach()
+        return RolloutCorrectionResult(weights=weights, mask=keep, metrics=metrics, old_logprob=old)
+
+    # ------------------------------------------------------------------------------------------
+    # each stack's own configuration, verbatim
+
+    @classmethod
+    def from_verl(cls, cfg: Any, **kwargs: Any) -> "RolloutCorrection":
+        """From verl's ``algorithm.rollout_correction`` block (verl 0.9.1), a mapping or an object.
+
+        ``rollout_is`` (None, ``"token"``, ``"sequence"``) with ``rollout_is_threshold`` (a number:
+        TIS at that upper bound; ``"lower_upper"``: IcePop), ``rollout_is_batch_normalize``,
+        ``rollout_rs`` and ``rollout_rs_threshold`` (rejection), ``bypass_mode``; ``loss_type``
+        names verl's policy loss (``docs/mismatch.md`` has the recipe of each), checked only.
+        Missing keys take verl's defaults. ``kwargs`` go to the constructor (``process_group``...).
+
+        Raises:
+            ValueError: for an unknown key or value, with the valid ones.
+
+        Example:
+            >>> RolloutCorrection.from_verl({"rollout_is": "token", "rollout_is_threshold": "0.5_5.0"})
+            RolloutCorrection(weights='token', mode='mask', lower=0.5, upper=5.0)
+        """
+        c = _read(cfg, VERL_DEFAULTS, "verl's rollout_correction", strict=True)
+        level = _choice("rollout_is", c["rollout_is"], (None, "token", "sequence"))
+        _choice("loss_type", c["loss_type"], ("ppo_clip", "reinforce"))
+        threshold = c["rollout_is_threshold"]
+        args: dict[str, Any] = {"weights": None if threshold is None else level, "upper": None}
+        if args["weights"] is not None:
+            if isinstance(threshold, bool) or not isinstance(threshold, (int, float, str)):
+                raise TypeError(f"`rollout_is_threshold` must be a number or a 'lower_upper' string, got {threshold!r}.")
+            text = str(threshold).strip()
+            try:
+                if "_" in text:
+                    lo, hi = text.split("_", 1)
+                    args.update(mode="mask", lower=float(lo), upper=float(hi))
+                else:
+                    args.update(mode="truncate", upper=float(text))
+            except ValueError:
+                raise ValueError(f"invalid `rollout_is_threshold` {threshold!r}: a number or 'lower_upper'.") from None
+            args["batch_normalize"] = bool(c["rollout_is_batch_normalize"])
+        args.update(rejection=c["rollout_rs"], rejection_threshold=c["rollout_rs_threshold"] if c["rollout_rs"] else None)
+        args["bypass"] = bool(c["bypass_mode"])
+        return cls(**args, **kwargs)
+
+    @classmethod
+    def from_trl(cls, cfg: Any, **kwargs: Any) -> "RolloutCorrection":
+        """From TRL's ``GRPOConfig`` (TRL 1.16) or a mapping of its fields; other fields are ignored.
+
+        ``vllm_importance_sampling_mode`` (``{token,sequence}_{truncate,mask}``) with
+        ``vllm_importance_sampling_clip_min`` / ``_clip_max`` (``_cap``, deprecated, is ``_clip_max``),
+        ``vllm_importance_sampling_correction=False`` for no weights, and ``off_policy_mask_threshold``.
+
+        Example:
+            >>> RolloutCorrection.from_trl({"vllm_importance_sampling_mode": "token_truncate"})
+            RolloutCorrection(weights='token', mode='truncate', lower=None, upper=3.0)
+        """
+        c = _read(cfg, TRL_DEFAULTS, "TRL", strict=False)
+        mode = _choice("vllm_importance_sampling_mode", c["vllm_importance_sampling_mode"], TRL_MODES)
+        upper = c["vllm_importance_sampling_clip_max"]
+        if c["vllm_importance_sampling_cap"] is not None:
+            upper = c["vllm_importance_sampling_cap"]
+        level, how = mode.split("_")
+        args: dict[str, Any] = {"weights": None, "upper": None}
+        if c["vllm_importance_sampling_correction"]:
+            args = {"weights": level, "mode": how, "lower": c["vllm_importance_sampling_clip_min"], "upper": upper}
+        return cls(**args, offpolicy_mask_threshold=c["off_policy_mask_threshold"], **kwargs)
+
+    @classmethod
+    def from_openrlhf(cls, cfg: Any, **kwargs: Any) -> "RolloutCorrection":
+        """From OpenRLHF's ``algo.advantage`` settings (OpenRLHF 0.11.2): a mapping, an object, or the
+        parsed arguments (their ``algo.advantage``).
+
+        ``is_correction_level`` (``off``, ``token``, ``seq``), ``is_correction_mode`` (``mask``,
+        ``clip``), ``is_correction_threshold`` (``[low, high]``, or ``[high]`` for low 0), with
+        ``is_correction_gating="ratio"``: ``token`` + ``clip`` is TIS (weights clamped to
+        ``[low, high]``), ``token`` + ``mask`` IcePop, ``seq`` + ``mask`` (seq-mask-tis) keeps each
+        token's untruncated weight and drops the sequences whose geometric mean ratio is outside
+        ``[low, high]`` (verl's ``seq_mean_k1`` rejection at ``1/high_1/low``). The ``binary_kl`` and
+        ``tv`` gatings are not implemented here (an error says so).
+
+        Example:
+            >>> RolloutCorrection.from_openrlhf({"is_correction_level": "token", "is_correction_mode": "clip"})
+            RolloutCorrection(weights='token', mode='truncate', lower=0.5, upper=5.0)
+        """
+        algo = getattr(cfg, "algo", None)
+        if algo is not None and hasattr(algo, "advantage"):
+            cfg = algo.advantage
+        c = _read(cfg, OPENRLHF_DEFAULTS, "OpenRLHF", strict=False)
+        level = _choice("is_correction_level", c["is_correction_level"], ("off", "token", "seq"))
+        how = _choice("is_correction_mode", c["is_correction_mode"], ("mask", "clip"))
+        _choice("is_correction_gating (implemented here)", c["is_correction_gating"], ("ratio",))
+        threshold = list(c["is_correction_threshold"])
+        if len(threshold) == 1:
+            threshold.insert(0, 0.0)  # one value is an upper bound only, as OpenRLHF's command line reads it
+        if len(threshold) != 2:
+            raise ValueError(f"`is_correction_threshold` takes [high] or [low, high], got {c['is_correction_threshold']!r}.")
+        low, high = (float(x) for x in threshold)
+        lower = low if low > 0 else None
+        if level == "off":
+            return cls(weights=None, upper=None, **kwargs)
+        if level == "token":
+            return cls(weights="token", mode="truncate" if how == "clip" else "mask", lower=lower, upper=high, **kwargs)
+        if how == "clip":
+            raise ValueError("is_correction_mode='clip' needs is_correction_level='token' (as OpenRLHF requires).")
+        bounds = f"{1.0 / high!r}_{(1.0 / low if low > 0 else math.inf)!r}"
+        return cls(weights="token", upper=None, rejection="seq_mean_k1", rejection_threshold=bounds, **kwargs)

@@ -1,0 +1,91 @@
+r"""``MismatchMetric``: the rollout/trainer mismatch diagnostics, exact across processes."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor
+from torchmetrics import Metric
+
+from lightning_kl.ground.parallel import check_parallel_args, data_parallel_group
+from lightning_kl.mismatch import TOTALS_REDUCTIONS, check_mismatch_inputs, mismatch_compute, mismatch_totals
+
+__all__ = ["MismatchMetric"]
+
+
+class MismatchMetric(Metric):
+    r""":func:`~lightning_kl.mismatch_metrics` over every batch seen since the last reset, on every process.
+
+    The state is the float64 sums, int64 token and sequence counts, maxima and minima of
+    :func:`lightning_kl.mismatch.mismatch_totals`, reduced by sum, max or min over the data parallel
+    group, so that ``compute()`` equals :func:`~lightning_kl.mismatch_metrics` of the concatenated
+    batches of every replica: each token mean divides by the global token count, each sequence
+    mean by the global count of sequences with a valid token (not a mean of per-process means, as
+    a stack that averages each worker's value logs: ``docs/mismatch.md`` measures the difference).
+    The group is found as :class:`~lightning_kl.KLMetric` finds it (``process_group`` or
+    ``device_mesh`` when given).
+
+    ``compute()`` and a call return a dict of 0-d float64 tensors (NaN where no data); log it with
+    ``self.log_dict``. Nothing is read on the host by ``update``::
+
+        self.mismatch.update(logprob, batch["rollout_logprobs"], mask)          # in training_step
+        ...
+        self.log_dict({f"mismatch/{k}": v for k, v in self.mismatch.compute().items()})  # at epoch end
+
+    ``update(logprob, rollout_logprob, mask=None)``: ``[..., t]`` floating tensors and an optional
+    ``[..., t]`` mask; padded positions may hold anything.
+
+    Example:
+        >>> metric = MismatchMetric()
+        >>> metric.update(torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -2.0]]))
+        >>> metric.update(torch.tensor([[-0.5, 7.0]]), torch.tensor([[-0.5, 7.0]]), torch.tensor([[True, False]]))
+        >>> metric.compute()["kl"]  # -(0.5 + 0 + 0) / 3
+        tensor(-0.1667, dtype=torch.float64)
+    """
+
+    is_differentiable = False
+    higher_is_better = False
+    full_state_update = False
+
+    def __init__(self, process_group: Any = None, device_mesh: Any = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        check_parallel_args(process_group, device_mesh)
+        self.data_parallel = (process_group, device_mesh)
+        for name, how in TOTALS_REDUCTIONS.items():
+            if name in ("tokens", "sequences"):
+                default = torch.tensor(0, dtype=torch.int64)
+            elif how == "sum":
+                default = torch.tensor(0.0, dtype=torch.float64)
+            else:
+                default = torch.tensor(-math.inf if how == "max" else math.inf, dtype=torch.float64)
+            self.add_state(name, default=default, dist_reduce_fx=how)
+
+    def update(self, logprob: Tensor, rollout_logprob: Tensor, mask: Optional[Tensor] = None) -> None:
+        mask = check_mismatch_inputs(logprob, rollout_logprob, mask)
+        for name, value in mismatch_totals(logprob, rollout_logprob, mask).items():
+            how = TOTALS_REDUCTIONS[name]
+            state = getattr(self, name)
+            if how == "sum":
+                setattr(self, name, state + value)
+            elif how == "max":
+                setattr(self, name, torch.maximum(state, value))
+            else:
+                setattr(self, name, torch.minimum(state, value))
+
+    def compute(self) -> dict[str, Tensor]:
+        return mismatch_compute({name: getattr(self, name) for name in TOTALS_REDUCTIONS})
+
+    def sync(
+        self,
+        dist_sync_fn: Optional[Callable] = None,
+        process_group: Optional[Any] = None,
+        should_sync: bool = True,
+        distributed_available: Optional[Callable] = None,
+    ) -> None:
+        # torchmetrics syncs over the world by default; here over the data parallel group
+        if should_sync and process_group is None:
+            dp = data_parallel_group(*self.data_parallel)
+            should_sync, process_group = dp.size > 1, dp.group
+        super().sync(dist_sync_fn, process_group, should_sync, distributed_available)
