@@ -1,22 +1,19 @@
 """lightning-kl: KL regularization toward a reference model for RL fine-tuning, as Lightning parts."""
 
+from __future__ import annotations
+
+import importlib
+import warnings
+from typing import Any
+
 from lightning_kl.accumulation import step_totals
 from lightning_kl.callback import KLRewardCallback
 from lightning_kl.controllers import AdaptiveKLController, FixedKLController, KLController
-from lightning_kl.estimators import (
-    BASE_ESTIMATORS,
-    ESTIMATORS,
-    SAMPLED_ESTIMATORS,
-    EstimatorName,
-    EstimatorSpec,
-    SampledEstimatorName,
-    parse_estimator,
-)
+from lightning_kl.estimators import EstimatorName
 from lightning_kl import hf  # imports neither transformers nor peft
 from lightning_kl.ground.sampler import Sampling
 from lightning_kl.ground.vocab_shards import VocabShard
-from lightning_kl.functional import AGG_MODES, aggregate, kl_penalty
-from lightning_kl.ground.checks import AggMode
+from lightning_kl.functional import AggMode, aggregate, kl_penalty
 from lightning_kl.kernels.full import full_kl, full_kl_from_hidden
 from lightning_kl.logprobs import FromHidden, token_logprobs, token_logprobs_from_hidden
 from lightning_kl.loss import KLPenaltyLoss
@@ -31,32 +28,25 @@ from lightning_kl.sampling import (
     processed_logprobs,
     processed_logprobs_from_hidden,
 )
-from lightning_kl.sequence import LEVELS, Level
+from lightning_kl.sequence import Level
 
 __version__ = "0.2.0"
 
 __all__ = [
-    "AGG_MODES",
-    "BASE_ESTIMATORS",
-    "ESTIMATORS",
     "AdaptiveKLController",
     "AggMode",
     "EstimatorName",
-    "EstimatorSpec",
     "FixedKLController",
     "FromHidden",
     "KLController",
     "KLMetric",
     "KLPenaltyLoss",
     "KLRewardCallback",
-    "LEVELS",
     "Level",
     "OUTSIDE_MODES",
     "OnPolicyRollouts",
     "REFERENCES",
     "ReferenceRefresh",
-    "SAMPLED_ESTIMATORS",
-    "SampledEstimatorName",
     "VocabShard",
     "SampledLogprobs",
     "Sampling",
@@ -65,7 +55,6 @@ __all__ = [
     "full_kl_from_hidden",
     "hf",
     "kl_penalty",
-    "parse_estimator",
     "processed_full_kl",
     "processed_logprobs",
     "processed_logprobs_from_hidden",
@@ -73,3 +62,33 @@ __all__ = [
     "token_logprobs",
     "token_logprobs_from_hidden",
 ]
+
+#: Names that left ``__all__``, reachable as ``lk.NAME`` for one more minor version with a
+#: ``DeprecationWarning``: ``NAME: (module, attribute, what to use instead)``. One line per name.
+_DEPRECATED: dict[str, tuple[str, str, str]] = {
+    "ESTIMATORS": ("lightning_kl.estimators", "ESTIMATORS", "typing.get_args(typing.get_args(lk.EstimatorName)[0])"),
+    "BASE_ESTIMATORS": ("lightning_kl.estimators", "BASE_ESTIMATORS", "lk.EstimatorName (the names without '+')"),
+    "SAMPLED_ESTIMATORS": ("lightning_kl.estimators", "SAMPLED_ESTIMATORS", "lk.EstimatorName (every name but 'full')"),
+    "SampledEstimatorName": ("lightning_kl.estimators", "SampledEstimatorName", "lk.EstimatorName"),
+    "EstimatorSpec": ("lightning_kl.estimators", "EstimatorSpec", "the estimator's name (lk.EstimatorName)"),
+    "parse_estimator": ("lightning_kl.estimators", "parse_estimator", "the estimator's name: every entry point checks it"),
+    "AGG_MODES": ("lightning_kl.functional", "AGG_MODES", "typing.get_args(typing.get_args(lk.AggMode)[0])"),
+    "LEVELS": ("lightning_kl.sequence", "LEVELS", "typing.get_args(typing.get_args(lk.Level)[0])"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    # PEP 562: a name of _DEPRECATED, with its warning; anything else is missing
+    if name in _DEPRECATED:
+        module, attribute, instead = _DEPRECATED[name]
+        warnings.warn(
+            f"`lightning_kl.{name}` is deprecated and leaves in the next minor version: use {instead}.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(importlib.import_module(module), attribute)
+    raise AttributeError(f"module 'lightning_kl' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_DEPRECATED))

@@ -87,7 +87,7 @@ def test_a_reference_without_mass_makes_the_plus_loss_nan_on_both_paths() -> Non
 
 def _off_policy_grad(d: float, n: int, dtype: torch.dtype, max_weight: float | None = None) -> tuple[float, float]:
     """(gradient w.r.t. logprob at position 0, w * d in float64 from the dtype's own inputs)."""
-    logprob = torch.full((n,), -1.0, dtype=dtype)
+    logprob = torch.full((n,), -30.0, dtype=dtype)  # log-probs: every input <= 0
     ref = logprob - d
     old = logprob + 0.1  # w = e^-0.1
     logprob.requires_grad_()
@@ -116,27 +116,28 @@ def test_off_policy_k3_the_issue_numbers_and_truncation() -> None:
     assert _off_policy_grad(-18.0, SMALL, torch.float32)[0] == pytest.approx(-16.2871, abs=1e-4)
     assert _off_policy_grad(-20.0, SMALL, torch.float32)[0] == pytest.approx(-18.0967, abs=1e-4)
     # a truncated weight (w = e^2 capped at 2) keeps its straight-through gradient: 2 * d
-    logprob = torch.full((3,), -1.0, requires_grad=True)
+    logprob = torch.full((3,), -30.0, requires_grad=True)
     ref, old = logprob.detach() + 18.0, logprob.detach() - 2.0
     lk.kl_penalty(logprob, ref, "k3", old_logprob=old, max_weight=2.0).sum().backward()
     assert_close(logprob.grad, torch.full((3,), 2.0 * -18.0))
 
 
 def test_off_policy_k3_value_and_other_gradients_are_the_products() -> None:
-    # value w * k3(d) and the gradients w.r.t. ref and old, against float64 autograd of the product
+    # value w * k3(d) and the gradients w.r.t. logprob and ref, against float64 autograd of the product
     g = torch.Generator().manual_seed(0)
-    lp = -torch.rand(2, 6, generator=g, dtype=torch.float64) * 3
+    lp = -torch.rand(2, 6, generator=g, dtype=torch.float64) * 3 - 25
     ref = lp - torch.linspace(-22, 22, 12, dtype=torch.float64).reshape(2, 6)
     old = lp + 0.3 * torch.randn(2, 6, generator=g, dtype=torch.float64)
     mask = torch.ones(2, 6, dtype=torch.bool)
     mask[1, 5] = False
-    ins = [t.clone().requires_grad_() for t in (lp, ref, old)]
-    got = lk.kl_penalty(*ins[:2], "k3", old_logprob=ins[2], mask=mask)
+    # the sampler's old_logprob is a constant (one that requires grad is detached, with a warning)
+    ins = [t.clone().requires_grad_() for t in (lp, ref)]
+    got = lk.kl_penalty(*ins, "k3", old_logprob=old, mask=mask)
     got_grads = torch.autograd.grad(got.sum(), ins)
-    want_ins = [t.clone().requires_grad_() for t in (lp, ref, old)]
+    want_ins = [t.clone().requires_grad_() for t in (lp, ref)]
     d = want_ins[0] - want_ins[1]
     c = d.clamp(-20, 20)
-    want = torch.where(mask, torch.exp(want_ins[0] - want_ins[2]) * (torch.exp(-c) + c - 1), 0.0)
+    want = torch.where(mask, torch.exp(want_ins[0] - old) * (torch.exp(-c) + c - 1), 0.0)
     want_grads = torch.autograd.grad(want.sum(), want_ins)
     assert_close(got, want, rtol=1e-12, atol=1e-12)
     for a, b in zip(got_grads, want_grads):
@@ -148,7 +149,7 @@ def test_fused_low_var_kl_gradient_where_k3_is_exactly_ten(monkeypatch: pytest.M
     # the clamp's gradient includes its ends: at k3 = 10.0 exactly the gradient is 1 - e^-d, not 0
     d = torch.tensor(10.999982833862305)
     assert float(torch.expm1(-d) + d) == 10.0
-    logprob = torch.full((LARGE,), -1.0)
+    logprob = torch.full((LARGE,), -5.0)
     ref = logprob - torch.linspace(-3, 3, LARGE)
     ref[5] = logprob[5] - d
     grads = []

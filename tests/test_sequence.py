@@ -443,8 +443,8 @@ def test_full_sequence_through_the_loss_and_its_errors(pol):
 
 def test_loss_is_coef_times_aggregate_of_the_functional():
     g = torch.Generator().manual_seed(0)
-    lp = torch.randn(4, 6, generator=g, dtype=torch.float64).requires_grad_()
-    ref, old = torch.randn(4, 6, generator=g, dtype=torch.float64), torch.randn(4, 6, generator=g, dtype=torch.float64)
+    lp = (torch.randn(4, 6, generator=g, dtype=torch.float64) - 6).requires_grad_()
+    ref, old = torch.randn(4, 6, generator=g, dtype=torch.float64) - 6, torch.randn(4, 6, generator=g, dtype=torch.float64) - 6
     mask = torch.rand(4, 6, generator=g) > 0.3
     loss_fn = lk.KLPenaltyLoss("k3+", coef=0.5, agg="seq-mean-token-sum", level="sequence", max_weight=2.0)
     assert "level='sequence'" in repr(loss_fn)
@@ -591,7 +591,7 @@ def test_fused_kernel_path_gives_the_compositions_result(name, monkeypatch):
 
     g = torch.Generator().manual_seed(0)
     shape = (3, 40_000)  # above one chunk: the fused kernel serves the token-level value
-    lp0 = torch.randn(shape, generator=g) - 1
+    lp0 = -3 * torch.rand(shape, generator=g) - 3
     ref, old = lp0 + 0.3 * torch.randn(shape, generator=g), lp0 + 0.2 * torch.randn(shape, generator=g)
     mask = torch.rand(shape, generator=g) > 0.2
     results = []
@@ -611,6 +611,7 @@ def test_half_precision_is_computed_in_float32(dtype):
     g = torch.Generator().manual_seed(1)
     lp32 = torch.randn(3, 9, generator=g) - 1
     ref32, old32 = lp32 + 0.3 * torch.randn(3, 9, generator=g), lp32 + 0.2 * torch.randn(3, 9, generator=g)
+    lp32, ref32, old32 = (x - 3 for x in (lp32, ref32, old32))  # log-probs: every one <= 0
     mask = torch.rand(3, 9, generator=g) > 0.2
     lp16, ref16, old16 = (x.to(dtype) for x in (lp32, ref32, old32))
     results = []

@@ -62,7 +62,7 @@ def test_the_loss_reads_the_trainers_accumulation_and_the_totals_alone_are_exact
         assert_close(got, want, rtol=0, atol=1e-12, msg=lambda m, mode=mode: f"{mode}: {m}")
     # the loss remembers the module it found, weakly: it still pickles and copies (without it)
     for clone in (pickle.loads(pickle.dumps(model.losses[0])), copy.deepcopy(model.losses[0])):
-        assert clone(torch.zeros(2, 3), torch.ones(2, 3)).item() == pytest.approx(0.5 * (math.e - 2), rel=1e-6)  # k3(-1)
+        assert clone(-torch.ones(2, 3), torch.zeros(2, 3)).item() == pytest.approx(0.5 * (math.e - 2), rel=1e-6)  # k3(-1)
 
 
 def test_forgetting_the_recipe_under_accumulation_is_warned_once_per_mode(quiet_trainer: Any) -> None:
@@ -75,7 +75,7 @@ def test_forgetting_the_recipe_under_accumulation_is_warned_once_per_mode(quiet_
     # and outside a Trainer nothing is looked up or warned: k = 1
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        lk.KLPenaltyLoss("k3+")(torch.zeros(2, 3), torch.ones(2, 3))
+        lk.KLPenaltyLoss("k3+")(-torch.ones(2, 3), torch.zeros(2, 3))
 
 
 def test_without_the_totals_the_gradient_is_lightnings_average_of_the_micro_batches(quiet_trainer: Any) -> None:
@@ -154,10 +154,12 @@ def test_logits_where_log_probs_belong_are_named_as_logits() -> None:
 
 def test_hidden_states_given_to_the_logits_functions_point_to_full_kl_from_hidden() -> None:
     h = lk.FromHidden(torch.randn(2, 3, 4), torch.randn(7, 4))
-    with pytest.raises(TypeError, match=r"got FromHidden\..*`lk.full_kl_from_hidden\(hidden, weight, ref_hidden"):
-        lk.kl_penalty(h, h, "full")
     with pytest.raises(TypeError, match=r"got FromHidden\..*`lk.full_kl_from_hidden"):
         lk.full_kl(h, h)
+    # kl_penalty("full") takes them, as the loss does
+    assert_close(lk.kl_penalty(h, h, "full"), torch.zeros(2, 3))
+    with pytest.raises(TypeError, match=r"FromHidden.*one for each model"):
+        lk.kl_penalty(h, torch.randn(2, 3, 7), "full")
 
 
 def test_a_reference_that_requires_grad_is_warned_about_and_can_be_silenced() -> None:

@@ -86,7 +86,7 @@ def test_zero_micro_batches_is_refused_by_name() -> None:
         with pytest.raises(ValueError, match=r"^`accumulate_grad_batches` must be a positive integer"):
             check_accumulate_grad_batches(k)
     with pytest.raises(ValueError, match=r"^`accumulate_grad_batches` must be a positive integer.*got 0\.$"):
-        lk.KLPenaltyLoss("k3")(torch.zeros(2, 3), torch.ones(2, 3), accumulate_grad_batches=0)
+        lk.KLPenaltyLoss("k3")(-torch.ones(2, 3), torch.zeros(2, 3), accumulate_grad_batches=0)
 
 
 def test_metric_sums_each_batch_in_float64() -> None:
@@ -172,7 +172,7 @@ def test_infinite_num_tokens_is_refused() -> None:
         with pytest.raises(ValueError, match=rf"`{name}` must be a finite number >= 0 or a tensor, got inf"):
             lk.aggregate(v, **{name: math.inf})
     with pytest.raises(ValueError, match=r"`num_tokens` must be a finite number >= 0 or a tensor, got inf"):
-        lk.KLPenaltyLoss("k3")(v, v, num_tokens=math.inf)
+        lk.KLPenaltyLoss("k3")(-v, -v, num_tokens=math.inf)
 
 
 def test_full_from_hidden_refuses_reference_rows_in_another_layout() -> None:
