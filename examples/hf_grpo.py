@@ -49,6 +49,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 import lightning_kl as lk
+from lightning_kl.estimators import SAMPLED_ESTIMATORS
 from lightning_kl import hf
 
 if str(Path(__file__).resolve().parent) not in sys.path:  # loaded by path (the tests): find the siblings
@@ -375,7 +376,7 @@ class HFGRPO(pl.LightningModule):
         if self.kl.spec.base == "full":
             raise ValueError(
                 "`kl_estimator` 'full' needs both models' logits in training_step; this example passes "
-                f"sampled-token log-probs: use one of {sorted(lk.SAMPLED_ESTIMATORS)}."
+                f"sampled-token log-probs: use one of {sorted(SAMPLED_ESTIMATORS)}."
             )
         self.policy: Any = None  # a peft PeftModel, made in setup() on the pretrained weights
         self.ref_acc = float("nan")

@@ -199,8 +199,8 @@ def check_kl_inputs(
         hidden = isinstance(logprob, FromHidden), isinstance(ref_logprob, FromHidden)
         if any(hidden) and not all(hidden):
             raise TypeError(
-                f"`lk.FromHidden` inputs take one for each model, got {type(logprob).__name__} and "
-                f"{type(ref_logprob).__name__}."
+                f"`lk.FromHidden` inputs take the 'full' estimator with one for each model, got {spec.name!r} with "
+                f"{type(logprob).__name__} and {type(ref_logprob).__name__}."
             )
         if all(hidden):
             mask = check_full_hidden_inputs(*logprob, *ref_logprob, mask, stacklevel=stacklevel + 2)
@@ -221,8 +221,9 @@ def check_kl_inputs(
         return KLInputs(logprob, ref_logprob, mask, None, sampled_logprob)
     if any(isinstance(x, FromHidden) for x in (logprob, ref_logprob)):
         raise TypeError(
-            f"`lk.FromHidden` inputs take the 'full' estimator, got {spec.name!r} with {type(logprob).__name__} and "
-            f"{type(ref_logprob).__name__}; for a sampled estimator compute the log-probs with `lk.token_logprobs`."
+            f"`lk.FromHidden` inputs take the 'full' estimator with one for each model, got {spec.name!r} with "
+            f"{type(logprob).__name__} and {type(ref_logprob).__name__}; for a sampled estimator compute the log-probs "
+            "with `lk.token_logprobs_from_hidden`."
         )
     check_sampled_logprob(sampled_logprob, logprob, False)
     logprob, ref_logprob, old_logprob = sampled_locals(logprob, ref_logprob, old_logprob)  # loss_parallel's DTensors

@@ -158,7 +158,7 @@ def test_hidden_states_given_to_the_logits_functions_point_to_full_kl_from_hidde
         lk.full_kl(h, h)
     # kl_penalty("full") takes them, as the loss does
     assert_close(lk.kl_penalty(h, h, "full"), torch.zeros(2, 3))
-    with pytest.raises(TypeError, match=r"FromHidden.*one for each model"):
+    with pytest.raises(TypeError, match=r"FromHidden.*with one for each model"):
         lk.kl_penalty(h, torch.randn(2, 3, 7), "full")
 
 
