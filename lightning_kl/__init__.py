@@ -21,8 +21,6 @@ from lightning_kl.metric import KLMetric
 from lightning_kl.refresh import ReferenceRefresh
 from lightning_kl.rollouts import OnPolicyRollouts
 from lightning_kl.sampling import (
-    OUTSIDE_MODES,
-    REFERENCES,
     SampledLogprobs,
     processed_full_kl,
     processed_logprobs,
@@ -43,9 +41,7 @@ __all__ = [
     "KLPenaltyLoss",
     "KLRewardCallback",
     "Level",
-    "OUTSIDE_MODES",
     "OnPolicyRollouts",
-    "REFERENCES",
     "ReferenceRefresh",
     "VocabShard",
     "SampledLogprobs",
@@ -74,6 +70,8 @@ _DEPRECATED: dict[str, tuple[str, str, str]] = {
     "parse_estimator": ("lightning_kl.estimators", "parse_estimator", "the estimator's name: every entry point checks it"),
     "AGG_MODES": ("lightning_kl.functional", "AGG_MODES", "typing.get_args(typing.get_args(lk.AggMode)[0])"),
     "LEVELS": ("lightning_kl.sequence", "LEVELS", "typing.get_args(typing.get_args(lk.Level)[0])"),
+    "OUTSIDE_MODES": ("lightning_kl.sampling", "OUTSIDE_MODES", "the strings 'raise' and '-inf' (lightning_kl.sampling.OUTSIDE_MODES)"),
+    "REFERENCES": ("lightning_kl.sampling", "REFERENCES", "the strings 'unprocessed', 'processed', 'policy_kept' (lightning_kl.sampling.REFERENCES)"),
 }
 
 

@@ -38,6 +38,10 @@ _COUNT_OF_MODE = {"token-mean": 0, "seq-mean-token-sum": 1, "seq-mean-token-mean
 class KLPenaltyLoss(nn.Module):
     r"""``coef * aggregate(kl_penalty(logprob, ref_logprob, estimator), mask, agg)``.
 
+    A thin shell over the functions users call: forward checks its inputs once, computes the values
+    the way :func:`~lightning_kl.kl_penalty` does (the same internal helpers, with the same inputs),
+    feeds them to :attr:`metric` and reduces them as :func:`~lightning_kl.aggregate` does.
+
     Notation: ``b`` batch, ``t`` response length.
 
     .. math::
@@ -48,11 +52,12 @@ class KLPenaltyLoss(nn.Module):
     ``self.log("train/kl", self.kl.metric)``.
 
     Args:
-        estimator: one of :data:`lightning_kl.ESTIMATORS`; ``+`` names carry the k2 gradient, the
-            unbiased gradient of the KL for on-policy samples. Validated here.
+        estimator: one of the names of :data:`lightning_kl.EstimatorName`; ``+`` names carry the k2
+            gradient, the unbiased gradient of the KL for on-policy samples. Validated here.
         coef: the loss coefficient (``>= 0``).
-        agg: one of :data:`lightning_kl.AGG_MODES`; ``None`` (the default) is ``"token-mean"``, with a
-            warning at ``level="sequence"``, where that mode is exact only for a fixed token count.
+        agg: one of the modes of :data:`lightning_kl.AggMode`; ``None`` (the default) is ``"token-mean"``,
+            with a warning at ``level="sequence"``, where that mode is exact only for a fixed token count
+            (an explicit ``"token-mean"`` there warns once, at the first batch whose lengths differ).
         agg_norm: the constant divisor of ``seq-mean-token-sum-norm`` (default: the padded length).
         global_batch: normalize as one process over the global batch of every data parallel
             replica. When ``torch.distributed`` is initialized, forward sums the (detached) counts
@@ -73,9 +78,15 @@ class KLPenaltyLoss(nn.Module):
         max_weight: ``None``, or the cap ``c >= 1`` of the importance weights when forward gets
             ``old_logprob`` (truncated importance sampling, ``w -> min(w, c)``): less variance
             for a bias that :func:`~lightning_kl.functional.importance_weight` states exactly.
-        temperature: ``estimator="full"`` only: the policy's sampling temperature ``T > 0``; the
-            KL is that of ``softmax(logits / T)`` to ``softmax(ref_logits / T)``. Any value but 1
-            with a sampled estimator is an error (their log-probs carry the temperature already).
+        temperature: deprecated: ``sampling=lk.Sampling(temperature=T)`` (a ``DeprecationWarning``).
+        sampling: ``estimator="full"`` only: the sampler, an :class:`~lightning_kl.Sampling`
+            (temperature, top-k, top-p, min-p; default: the plain softmax). The KL is that of the
+            distribution the sampler draws from, ``softmax(logits / T)`` truncated and renormalized, to
+            the reference's ``softmax(ref_logits / T)`` (unprocessed, at the same temperature), exact at
+            both levels. Any other sampler than the default with a sampled estimator is an error: their
+            log-probs carry the sampler already, and **both models' log-probs must then come from the
+            same** ``Sampling`` (``lk.token_logprobs(..., sampling=sampling)``): a reference scored at
+            ``T = 1`` against a policy at ``T = 0.7`` cannot be seen in log-probs, and biases the KL.
         level: ``"token"`` (default) or ``"sequence"``: the KL of whole responses along the last
             dimension. Same values on-policy (per-decision weights ``rho_{1:t}`` off-policy), plus
             the KL-to-go gradient term ``grad log pi_t * sum_{s > t} d_s`` for every valid token,
@@ -83,7 +94,9 @@ class KLPenaltyLoss(nn.Module):
             responses' KL for ``k2`` and every ``+`` name (``k1``, ``k3`` too with
             ``old_logprob``). ``agg="seq-mean-token-mean"`` (a length-normalized objective) is
             rejected here; ``token-mean`` is exact when the number of valid tokens per batch is
-            fixed. ``full`` then needs ``sampled_logprob`` in forward. See :mod:`lightning_kl.sequence`.
+            fixed. ``full`` then needs ``sampled_logprob`` in forward: the policy's log-prob of the sampled
+            token under the *processed* distribution of ``sampling`` (the score of what the sampler
+            drew). See :mod:`lightning_kl.sequence`.
         kl_to_go: sampled estimators at ``level="sequence"``: ``"k1"`` (default, the sum of the later
             log-ratios) or ``"k3"`` (the sum of their ``k3`` values: the same expectation, less noise).
         process_group: the data parallel ``ProcessGroup`` (for ``global_batch`` and :attr:`metric`), for
@@ -97,7 +110,24 @@ class KLPenaltyLoss(nn.Module):
     In place of the logits it also takes one :class:`~lightning_kl.FromHidden` per model (the last
     hidden states and the LM head): the logits are then made chunk by chunk and never held whole
     (:func:`~lightning_kl.full_kl_from_hidden`),
-    ``self.kl(lk.FromHidden(hidden, lm_head.weight), lk.FromHidden(ref_hidden, ref_head.weight), mask)``.
+    ``self.kl(lk.FromHidden(hidden, lm_head.weight), lk.FromHidden(ref_hidden, ref_head.weight), mask)``
+    (a truncating ``sampling`` from hidden states is not available yet: refused by name). ``[b, t]`` inputs
+    without a mask are refused there: log-probs where logits belong.
+
+    Log-probs are checked to be ``<= 0`` at valid positions (beyond rounding): logits gathered at the
+    tokens are refused, on the CPU by a ``ValueError`` naming the value, on an accelerator by a
+    device-side assertion (no host read). ``old_logprob`` is the sampler's, a constant: one that
+    requires grad is detached, with a warning.
+
+    **Gradient accumulation and the Trainer.** Lightning divides each micro-batch's loss by the
+    Trainer's ``accumulate_grad_batches`` (``k``); with the step's totals (``num_tokens``, ``num_seqs``)
+    the loss multiplies by ``k`` back. It learns ``k`` from the Trainer that fits its LightningModule,
+    handed over by :class:`~lightning_kl.trainer_hooks.KLLossCallback` at ``setup`` (every Trainer
+    gets one), never from the call stack: any ``training_step`` (argument names, wrappers,
+    ``torch.compile``) works. ``k`` is read only while that Trainer trains; while it validates, tests
+    or predicts nothing accumulates and ``k`` is 1. A ``deepcopy`` or a pickle of the loss is attached
+    to no Trainer. Where the loss cannot know ``k`` (attached to no Trainer, and forward given the
+    step's totals but no ``accumulate_grad_batches``) it assumes 1 and says so, once.
 
     Shapes in ``forward``: ``logprob``, ``ref_logprob`` and ``mask`` are ``[b, t]`` (any shape,
     the same for all three). Half precision inputs are computed and reduced in float32; the loss is
@@ -218,7 +248,8 @@ class KLPenaltyLoss(nn.Module):
 
         ``accumulate_grad_batches`` defaults to the Trainer's while a Trainer trains the
         ``LightningModule`` holding this loss (see :meth:`attach`), so that forgetting the totals is
-        warned about. Outside a Trainer it is 1; pass it to override.
+        warned about; 1 while it validates or predicts. Attached to no Trainer it is 1, said once when
+        the step's totals are given (they suggest accumulation); pass it to override.
         """
         # inputs checked once (stacklevel 5: the user's `self.kl(...)` through nn.Module's two call frames)
         inputs = check_kl_inputs(logprob, ref_logprob, self.spec, mask, old_logprob, sampled_logprob, self.level, stacklevel=5)

@@ -14,6 +14,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, Dataset
 
 import lightning_kl as lk
+from lightning_kl.functional import AGG_MODES
+from lightning_kl.estimators import ESTIMATORS, EstimatorSpec, SAMPLED_ESTIMATORS, parse_estimator
 from lightning_kl.kernels.full import full_kl
 
 # gradients toward the reference are checked here on purpose: its warning is expected
@@ -43,11 +45,11 @@ def logits(*shape: int, seed: int = 0, scale: float = 3.0) -> torch.Tensor:
 
 
 def test_names():
-    assert "full" in lk.ESTIMATORS and "full" not in lk.SAMPLED_ESTIMATORS
-    assert set(lk.ESTIMATORS) == set(lk.SAMPLED_ESTIMATORS) | {"full"}
-    assert lk.parse_estimator("full") == lk.EstimatorSpec("full", "full", False)
+    assert "full" in ESTIMATORS and "full" not in SAMPLED_ESTIMATORS
+    assert set(ESTIMATORS) == set(SAMPLED_ESTIMATORS) | {"full"}
+    assert parse_estimator("full") == EstimatorSpec("full", "full", False)
     with pytest.raises(ValueError, match="already the exact gradient"):
-        lk.parse_estimator("full+")
+        parse_estimator("full+")
     with pytest.raises(ValueError, match="already the exact gradient"):
         lk.KLPenaltyLoss("full+")
 
@@ -260,7 +262,7 @@ def test_errors():
         lk.KLRewardCallback("full")
 
 
-@pytest.mark.parametrize("agg", lk.AGG_MODES)
+@pytest.mark.parametrize("agg", AGG_MODES)
 def test_loss_aggregates_the_exact_kl_with_the_mask(agg):
     z64, zr64 = logits(3, 4, 6), logits(3, 4, 6, seed=1)
     mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]], dtype=torch.bool)

@@ -14,13 +14,13 @@ from torch.testing import assert_close
 import _reference as reference
 import lightning_kl as lk
 from lightning_kl.kernels import fused as _fused
-from lightning_kl.estimators import parse_estimator
+from lightning_kl.estimators import SAMPLED_ESTIMATORS, parse_estimator
 from lightning_kl.functional import kl_penalty_compute
 
 # gradients toward the reference are checked here on purpose: its warning is expected
 pytestmark = pytest.mark.filterwarnings("ignore:`ref_[a-z]*` requires grad")
 
-SAMPLED = getattr(lk, "SAMPLED_ESTIMATORS", lk.ESTIMATORS)
+SAMPLED = SAMPLED_ESTIMATORS
 
 
 @pytest.fixture(autouse=True)

@@ -17,12 +17,13 @@ import torch
 from torch.testing import assert_close
 
 import lightning_kl as lk
+from lightning_kl.estimators import BASE_ESTIMATORS, parse_estimator
 from lightning_kl.kernels import fused
 
 # gradients toward the reference are checked here on purpose: its warning is expected
 pytestmark = pytest.mark.filterwarnings("ignore:`ref_[a-z]*` requires grad")
 
-NAMES = [b for b in lk.BASE_ESTIMATORS] + [f"{b}+" for b in lk.BASE_ESTIMATORS]
+NAMES = [b for b in BASE_ESTIMATORS] + [f"{b}+" for b in BASE_ESTIMATORS]
 SMALL, LARGE = 4, 70_000
 INF, NAN = float("inf"), float("nan")
 # (logprob, ref_logprob) at the edge position: d = +inf, -inf, NaN
@@ -54,7 +55,7 @@ def _edge(name: str, n: int, edge: str) -> tuple[torch.Tensor, torch.Tensor]:
     mask[3] = False  # a padded position next to it stays out of everything
     ref[3] = NAN
     logprob.requires_grad_()
-    assert fused.use_fused(lk.parse_estimator(name), logprob) == (n == LARGE)
+    assert fused.use_fused(parse_estimator(name), logprob) == (n == LARGE)
     value = lk.kl_penalty(logprob, ref, name, mask=mask)
     value.backward(torch.ones_like(value))
     assert value[3] == 0 and logprob.grad[3] == 0
@@ -66,7 +67,7 @@ def _edge(name: str, n: int, edge: str) -> tuple[torch.Tensor, torch.Tensor]:
 def test_non_finite_log_ratio_means_the_same_on_both_paths(name: str, edge: str) -> None:
     small_value, small_grad = _edge(name, SMALL, edge)
     large_value, large_grad = _edge(name, LARGE, edge)
-    spec = lk.parse_estimator(name)
+    spec = parse_estimator(name)
     want = NAN if spec.straight_through else BASE_VALUE[spec.base][list(EDGES).index(edge)]
     for value in (small_value, large_value):
         assert_close(value, torch.tensor(want), equal_nan=True, rtol=0, atol=0)

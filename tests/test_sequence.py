@@ -30,10 +30,12 @@ from torch.testing import assert_close
 from torch.utils.data import DataLoader
 
 import lightning_kl as lk
+from lightning_kl.sequence import LEVELS
+from lightning_kl.estimators import SAMPLED_ESTIMATORS, parse_estimator
 from _trainers import QUIET
 
 V, T, EOS = 3, 4, 0
-SAMPLED = list(lk.SAMPLED_ESTIMATORS)
+SAMPLED = list(SAMPLED_ESTIMATORS)
 PLUS = [n for n in SAMPLED if n.endswith("+")]
 TOKEN_EXACT = ["k2", "mse", *PLUS]  # exact gradient on-policy, no weights
 WEIGHTED_EXACT = ["k1", "kl", "k3", *TOKEN_EXACT]  # exact gradient with old_logprob (differentiable weight for k1, k3)
@@ -381,7 +383,7 @@ def test_bad_level_fails_with_the_valid_ones():
         lk.kl_penalty(lp, lp, "k3+", level="seq")
     with pytest.raises(ValueError, match=r"Unknown KL level 'Sequence'.*'token', 'sequence'"):
         lk.KLPenaltyLoss("k3+", level="Sequence")
-    assert lk.LEVELS == ("token", "sequence")
+    assert LEVELS == ("token", "sequence")
     with pytest.raises(ValueError, match=r"Unknown KL level None"):
         lk.KLPenaltyLoss("k3+", level=None)
 
@@ -597,7 +599,7 @@ def test_fused_kernel_path_gives_the_compositions_result(name, monkeypatch):
     results = []
     for enabled in (True, False):
         monkeypatch.setattr(fused, "ENABLED", enabled)
-        assert fused.use_fused(lk.parse_estimator(name), lp0) == enabled
+        assert fused.use_fused(parse_estimator(name), lp0) == enabled
         lp = lp0.clone().requires_grad_()
         out = lk.kl_penalty(lp, ref, name, mask=mask, old_logprob=old, level="sequence", max_weight=5.0)
         (grad,) = torch.autograd.grad(lk.aggregate(out, mask, "seq-mean-token-sum"), lp)

@@ -27,6 +27,9 @@ from torch import Tensor, nn
 from torch.testing import assert_close
 
 import lightning_kl as lk
+from lightning_kl.sequence import LEVELS
+from lightning_kl.functional import AGG_MODES
+from lightning_kl.estimators import ESTIMATORS, SAMPLED_ESTIMATORS
 from lightning_kl.ground.checks import check_mask
 
 F64 = torch.float64
@@ -57,7 +60,7 @@ def test_the_loss_reads_the_trainers_accumulation_and_the_totals_alone_are_exact
         warnings.filterwarnings("error", message="KLPenaltyLoss")
         quiet_trainer(max_epochs=1, accumulate_grad_batches=K).fit(model)
     assert len(model.grads) == 1
-    for mode, got, want in zip(lk.AGG_MODES, model.grads[0], big_batch_grads()):
+    for mode, got, want in zip(AGG_MODES, model.grads[0], big_batch_grads()):
         # without k the loss would be k times too small in every mode
         assert_close(got, want, rtol=0, atol=1e-12, msg=lambda m, mode=mode: f"{mode}: {m}")
     # the loss remembers the module it found, weakly: it still pickles and copies (without it)
@@ -101,9 +104,9 @@ def test_without_the_totals_the_gradient_is_lightnings_average_of_the_micro_batc
         want["token-mean"][r] = g[r] / n_tok / K
         want["seq-mean-token-sum"][r] = g[r] / n_seq / K
         want["seq-mean-token-mean"][r] = g[r] / lengths[r].clamp(min=1) / n_seq / K
-    big = dict(zip(lk.AGG_MODES, big_batch_grads()))
+    big = dict(zip(AGG_MODES, big_batch_grads()))
     want["token-sum"], want["seq-mean-token-sum-norm"] = big["token-sum"], big["seq-mean-token-sum-norm"]
-    for mode, got in zip(lk.AGG_MODES, model.grads[0]):
+    for mode, got in zip(AGG_MODES, model.grads[0]):
         assert_close(got, want[mode], rtol=0, atol=1e-12, msg=lambda m, mode=mode: f"{mode}: {m}")
 
 
@@ -247,10 +250,10 @@ def _help(cls: type) -> str:
 def test_help_lists_every_valid_estimator_mode_and_level(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("COLUMNS", "100000")  # one line per option: no name cut at its hyphen
     loss_help = " ".join(_help(lk.KLPenaltyLoss).split())
-    for name in (*lk.ESTIMATORS, *lk.AGG_MODES, *lk.LEVELS):
+    for name in (*ESTIMATORS, *AGG_MODES, *LEVELS):
         assert repr(name) in loss_help, name
     callback_help = " ".join(_help(lk.KLRewardCallback).split())
-    assert all(repr(name) in callback_help for name in lk.SAMPLED_ESTIMATORS) and "'full'" not in callback_help
+    assert all(repr(name) in callback_help for name in SAMPLED_ESTIMATORS) and "'full'" not in callback_help
 
 
 class _Configured(pl.LightningModule):
