@@ -55,6 +55,7 @@ __all__ = [
     "aggregate",
     "aggregate_checked",
     "aggregate_counts",
+    "aggregate_counts_checked",
     "check_agg_mode",
     "check_count",
     "check_kl_inputs",
@@ -743,7 +744,11 @@ def aggregate_counts(values: Tensor, mask: Optional[Tensor] = None) -> Tensor:
     check_floating("values", values)
     if values.ndim == 0:
         raise ValueError("`values` must have at least one (token) dimension, got a scalar.")
-    mask = check_mask(mask, values, "values")
+    return aggregate_counts_checked(values, check_mask(mask, values, "values"))
+
+
+def aggregate_counts_checked(values: Tensor, mask: Optional[Tensor]) -> Tensor:
+    """:func:`aggregate_counts` of checked arguments (``mask`` bool or None)."""
     if mask is None:
         n_seqs = math.prod(values.shape[:-1]) if values.shape[-1] else 0
         return torch.tensor([values.numel(), n_seqs], dtype=torch.int64, device=values.device)

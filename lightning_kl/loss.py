@@ -15,7 +15,7 @@ from lightning_kl.estimators import EstimatorName, parse_estimator
 from lightning_kl.functional import (
     AggMode,
     aggregate_checked,
-    aggregate_counts,
+    aggregate_counts_checked,
     check_agg_mode,
     check_count,
     check_kl_inputs,
@@ -348,7 +348,7 @@ class KLPenaltyLoss(nn.Module):
             world = dp.size
             needed = _COUNT_OF_MODE.get(self.agg)
             if needed is not None:
-                local = aggregate_counts(kl, mask).to(torch.float64)
+                local = aggregate_counts_checked(kl, mask).to(torch.float64)
                 if given[needed] is not None:
                     # this process's step total in place of its micro-batch count
                     local[needed] = torch.as_tensor(given[needed], dtype=torch.float64, device=local.device).reshape(())

@@ -189,3 +189,14 @@ def test_the_sampler_goes_to_full_which_applies_it_to_both_models() -> None:
     p = torch.log_softmax(data["logits"].double() / 0.7, -1)
     q = torch.log_softmax(data["ref_logits"].double() / 0.7, -1)
     assert_close(got.double(), (p.exp() * (p - q)).sum(-1), rtol=1e-5, atol=1e-6)
+
+
+def test_the_log_prob_check_keeps_kl_penalty_compilable_in_one_graph() -> None:
+    # inside torch.compile the check is the device-side assertion (a host read would break the graph)
+    g = torch.Generator().manual_seed(4)
+    lp, ref = -torch.rand(4, 8, generator=g), -torch.rand(4, 8, generator=g)
+    m = torch.rand(4, 8, generator=g) > 0.3
+    fn = torch.compile(lambda lp, ref, m: lk.aggregate(lk.kl_penalty(lp, ref, "k3+", mask=m), m, "token-mean"), fullgraph=True, backend="eager")
+    assert_close(fn(lp, ref, m), lk.aggregate(lk.kl_penalty(lp, ref, "k3+", mask=m), m, "token-mean"))
+    with pytest.raises(RuntimeError, match="`logprob` must hold log-probabilities"):
+        fn(lp + 1, ref, m)
