@@ -178,8 +178,10 @@ def test_a_reference_that_requires_grad_is_warned_about_and_can_be_silenced() ->
         ("ref_hidden", lambda: lk.KLPenaltyLoss("full")(lk.FromHidden(hidden, w), lk.FromHidden(hidden.clone().requires_grad_(), w))),
     ]
     for name, call in cases:
-        with pytest.warns(UserWarning, match=f"`{name}` requires grad: the KL term would train the reference"):
+        with pytest.warns(UserWarning, match=f"`{name}` requires grad: the KL term would train the reference") as record:
             call()
+        # the warning's stack level: the user's line (the lambda's), through nn.Module's call frames too
+        assert (record[0].filename, record[0].lineno) == (__file__, call.__code__.co_firstlineno), name
         with warnings.catch_warnings():  # the documented way to say it is intended
             warnings.simplefilter("error")
             warnings.filterwarnings("ignore", message=f"`{name}` requires grad")
