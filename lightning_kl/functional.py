@@ -546,7 +546,7 @@ def kl_penalty(
     Args:
         logprob: ``[..., t]`` log-probabilities of the sampled tokens under the policy.
         ref_logprob: ``[..., t]`` log-probabilities of the same tokens under the reference.
-        estimator: one of :data:`lightning_kl.ESTIMATORS` (or a parsed spec).
+        estimator: one of the names of :data:`lightning_kl.EstimatorName`.
         mask: optional ``[..., t]`` mask, True on valid tokens. Where it is False the result is 0 with
             a zero gradient, whatever the inputs hold there (NaN, inf, -1e10 padding).
         old_logprob: optional ``[..., t]`` log-probabilities of the sampled tokens under the policy
@@ -655,7 +655,7 @@ def aggregate(
     Args:
         values: ``[..., t]`` per-token values (at least one dimension).
         mask: optional ``[..., t]`` mask (bool, or 0/1 numbers read as ``mask != 0``).
-        mode: one of :data:`AGG_MODES`.
+        mode: one of :data:`lightning_kl.AggMode`'s modes.
         norm: the constant divisor of ``seq-mean-token-sum-norm`` (default: ``t``); keep it fixed
             across a run (e.g. the maximum response length) to reproduce Dr. GRPO.
         num_tokens: the divisor of ``token-mean`` in place of this batch's valid-token count,
