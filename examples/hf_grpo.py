@@ -277,7 +277,7 @@ class ArithmeticDataModule(pl.LightningDataModule):
         # the exact KL of the next-token distributions (0 on padding): summed over a response, an
         # unbiased estimate of the responses' KL (chain rule), no estimator noise; of the full
         # softmax, and of the processed policy against the reference's softmax and on its kept set
-        kl_full = lk.kl_penalty(logits, ref_logits, "full", mask=mask, temperature=h.temperature)
+        kl_full = lk.kl_penalty(logits, ref_logits, "full", mask=mask, sampling=lk.Sampling(temperature=h.temperature))
         kl_processed, kl_policy_kept = (
             lk.processed_full_kl(logits, ref_logits, mask, temperature=h.temperature, reference=r, **self.processing)
             for r in ("unprocessed", "policy_kept")
