@@ -66,10 +66,10 @@ def test_num_tokens_alone_is_the_token_mean_divisor() -> None:
     lp = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -1.0, -4.0]], dtype=F64)
     ref = torch.tensor([[-1.5, -1.0, -2.0], [-0.5, -2.0, -1.0]], dtype=F64)
     mask = torch.tensor([[True, True, False], [True, True, True]])
-    loss = lk.KLPenaltyLoss("k1", coef=0.5, agg="token-mean")(lp, ref, mask, num_tokens=20)
+    loss = lk.KLPenaltyLoss("k1", coef=0.5, agg="token-mean")(lp, ref, mask, num_tokens=20, accumulate_grad_batches=1)
     # k1 = d on the valid tokens: 0.5 - 1 + 0 + 1 - 3 = -2.5; 0.5 * -2.5 / 20
     assert loss.item() == pytest.approx(0.5 * -2.5 / 20, rel=1e-14)
-    loss = lk.KLPenaltyLoss("k1", coef=0.5, agg="seq-mean-token-sum")(lp, ref, mask, num_seqs=5)
+    loss = lk.KLPenaltyLoss("k1", coef=0.5, agg="seq-mean-token-sum")(lp, ref, mask, num_seqs=5, accumulate_grad_batches=1)
     assert loss.item() == pytest.approx(0.5 * -2.5 / 5, rel=1e-14)
 
 
