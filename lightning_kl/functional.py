@@ -29,7 +29,6 @@ from lightning_kl.ground.checks import (
     check_matching,
     check_temperature,
     check_values,
-    compute_dtype,
     warn_if_reference_requires_grad,
 )
 from lightning_kl.ground.sampler import Sampling
@@ -217,8 +216,7 @@ def check_kl_inputs(
                 "mask; for flat rows `[n, V]` pass `mask=torch.ones(n, dtype=torch.bool)`."
             )
         sampled_logprob = check_sampled_logprob(sampled_logprob, logprob.hidden if all(hidden) else logprob, sequence)
-        if sampled_logprob is not None:
-            check_logprob_values("sampled_logprob", sampled_logprob, mask)
+        check_logprob_values({"sampled_logprob": sampled_logprob}, mask)
         return KLInputs(logprob, ref_logprob, mask, None, sampled_logprob)
     if any(isinstance(x, FromHidden) for x in (logprob, ref_logprob)):
         raise TypeError(
@@ -244,34 +242,35 @@ def check_kl_inputs(
             )
             old_logprob = old_logprob.detach()
     mask = check_mask(mask, logprob, "logprob")
-    for name, x in (("logprob", logprob), ("ref_logprob", ref_logprob), ("old_logprob", old_logprob)):
-        if x is not None:
-            check_logprob_values(name, x, mask)
+    check_logprob_values({"logprob": logprob, "ref_logprob": ref_logprob, "old_logprob": old_logprob}, mask)
     return KLInputs(logprob, ref_logprob, mask, old_logprob, None)
 
 
-def check_logprob_values(name: str, logprob: Tensor, mask: Optional[Tensor]) -> None:
-    """Refuse a log-prob above 0 (beyond rounding: :data:`LOGPROB_SLACK`) at a valid position.
+def check_logprob_values(named: dict[str, Optional[Tensor]], mask: Optional[Tensor]) -> None:
+    """Refuse a log-prob above 0 (beyond rounding: :data:`LOGPROB_SLACK`) at a valid position, in each
+    tensor of ``named`` (``{name: tensor or None}``).
 
     The usual cause: logits gathered at the tokens (``logits.gather(-1, tokens)``) passed as log-probs.
     On the CPU the error names the value; on an accelerator the check runs on the device, with no host
     read (:func:`~lightning_kl.ground.checks.check_values`). NaN and ``-inf`` pass (handled downstream).
     """
-    slack = LOGPROB_SLACK.get(logprob.dtype, DEFAULT_LOGPROB_SLACK)
-    with torch.no_grad():
-        bad = logprob.detach() > slack
-        if mask is not None:
-            bad = bad & mask
-    rule = (
-        f"`{name}` must hold log-probabilities (<= 0): logits gathered at the tokens are not log-probs; use "
-        "`lk.token_logprobs(logits, tokens)` (log_softmax, then gather)"
-    )
+    for name, logprob in named.items():
+        if logprob is None:
+            continue
+        slack = LOGPROB_SLACK.get(logprob.dtype, DEFAULT_LOGPROB_SLACK)
+        with torch.no_grad():
+            bad = logprob.detach() > slack
+            if mask is not None:
+                bad = bad & mask
+        rule = (
+            f"`{name}` must hold log-probabilities (<= 0): logits gathered at the tokens are not log-probs; use "
+            "`lk.token_logprobs(logits, tokens)` (log_softmax, then gather)"
+        )
 
-    def named() -> ValueError:
-        value = float(logprob.detach()[bad][0])
-        return ValueError(f"{rule}. Got {value!r} at a valid position.")
+        def error(lp: Tensor = logprob, bad: Tensor = bad, rule: str = rule) -> ValueError:
+            return ValueError(f"{rule}. Got {float(lp.detach()[bad][0])!r} at a valid position.")
 
-    check_values(bad, named, rule)
+        check_values(bad, error, rule)
 
 
 def full_kl_values(x: Any, ref_x: Any, mask: Optional[Tensor], sampling: Sampling) -> Tensor:
@@ -334,7 +333,7 @@ def kl_penalty_compute(
     The single dispatch point of every caller (the function, the loss, the callback). Inputs are
     checked by the caller. ``level="sequence"``: see :mod:`lightning_kl.sequence`.
     """
-    dtype = compute_dtype(logprob, ref_logprob)
+    dtype = torch.promote_types(torch.promote_types(logprob.dtype, ref_logprob.dtype), torch.float32)  # compute_dtype
     zero = torch.zeros((), dtype=dtype, device=logprob.device)
     if level == "token" and old_logprob is not None and spec.base == "k3" and not spec.straight_through:
         return _off_policy_k3(logprob, ref_logprob, old_logprob, mask, max_weight, dtype)
@@ -704,7 +703,7 @@ def aggregate_checked(
     world_size: int = 1,
 ) -> Tensor:
     """:func:`aggregate` of checked arguments (``mask`` bool or None): the maths, shared with the loss."""
-    dtype = compute_dtype(values)
+    dtype = torch.promote_types(values.dtype, torch.float32)  # compute_dtype
     v = values.to(dtype)
     zero = torch.zeros((), dtype=dtype, device=v.device)
     if mask is not None:

@@ -251,14 +251,13 @@ class KLPenaltyLoss(nn.Module):
         warned about; 1 while it validates or predicts. Attached to no Trainer it is 1, said once when
         the step's totals are given (they suggest accumulation); pass it to override.
         """
-        # inputs checked once (stacklevel 5: the user's `self.kl(...)` through nn.Module's two call frames)
+        given = (num_tokens, num_seqs)
+        k = self._accumulation(accumulate_grad_batches, given)
+        # inputs checked once (stacklevel 5: the user's `self.kl(...)` through nn.Module's two call frames),
+        # then down the layers: values, metric, aggregation
         inputs = check_kl_inputs(logprob, ref_logprob, self.spec, mask, old_logprob, sampled_logprob, self.level, stacklevel=5)
         kl = kl_penalty_values(inputs, self.spec, self.max_weight, self.level, self.kl_to_go, self.sampling)
         mask = inputs.mask
-        given = (num_tokens, num_seqs)
-        for name, n in zip(("num_tokens", "num_seqs"), given):
-            check_count(name, n)
-        k = self._accumulation(accumulate_grad_batches, given)
         self._warn_if_micro_batch_counts(k, given)
         self._warn_if_lengths_vary(mask, num_tokens)
         self.metric(kl.detach(), mask, checked=True)
@@ -290,9 +289,11 @@ class KLPenaltyLoss(nn.Module):
         return getattr(trainer, "accumulate_grad_batches", 1)
 
     def _accumulation(self, k: Optional[int], given: tuple[Any, Any]) -> int:
-        if k is not None:
-            return check_accumulate_grad_batches(k)
-        k = self._trainer_accumulation()
+        # k: the argument, else the Trainer's; the step's totals checked on the way (they are its partners)
+        if k is None:
+            k = self._trainer_accumulation()
+        for name, n in zip(("num_tokens", "num_seqs"), given):
+            check_count(name, n)
         if k is not None:
             return check_accumulate_grad_batches(k)
         if any(n is not None for n in given) and not self._warned_unknown_k:
