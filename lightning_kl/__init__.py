@@ -86,7 +86,3 @@ def __getattr__(name: str) -> Any:
         )
         return getattr(importlib.import_module(module), attribute)
     raise AttributeError(f"module 'lightning_kl' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_DEPRECATED))
