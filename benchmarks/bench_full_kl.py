@@ -58,7 +58,8 @@ def _child(args: argparse.Namespace) -> None:
 
     def full() -> torch.Tensor:
         if args.chunk is None:
-            return lk.kl_penalty(z, z_ref, "full", temperature=temperature)
+            # one sequence of n positions [1, n, V] (flat [n, V] rows without a mask are refused)
+            return lk.kl_penalty(z[None], z_ref[None], "full", sampling=lk.Sampling(temperature=temperature))[0]
         return full_kl(z, z_ref, temperature=temperature, chunk_size=args.chunk)
 
     fn = composition if args.child == "composition" else full

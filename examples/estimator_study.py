@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 import lightning_kl as lk
+from lightning_kl.estimators import BASE_ESTIMATORS
 
 NAMES = ("k1", "k2", "k3", "abs", "low_var_kl")
 # Schulman's published table: (bias / true KL, std / true KL) of one sample
@@ -281,7 +282,7 @@ def study_gradients(pol: Categorical, max_weight: float) -> str:
             True,
         ),
     }
-    names = [n for n in lk.BASE_ESTIMATORS] + [f"{n}+" for n in lk.BASE_ESTIMATORS]
+    names = [n for n in BASE_ESTIMATORS] + [f"{n}+" for n in BASE_ESTIMATORS]
     grad_rows, value_rows = [], []
     for name in names:
         g_row, v_row = [f"`{name}`"], [f"`{name}`"]
@@ -451,7 +452,7 @@ def study_sequence_gradients(pol: TabularAR, max_weight: float) -> str:
         ("off", None, "off-policy, `old_logprob`"),
         ("off", max_weight, f"off-policy, `max_weight={max_weight:g}`"),
     ]
-    names = [*lk.BASE_ESTIMATORS, *[f"{n}+" for n in lk.BASE_ESTIMATORS], "full"]
+    names = [*BASE_ESTIMATORS, *[f"{n}+" for n in BASE_ESTIMATORS], "full"]
     rows, value_rows = [], []
     for name in names:
         row, vrow = [f"`{name}`"], [f"`{name}`"]

@@ -117,6 +117,8 @@ class Choice:
 def parse_choice(raw: Any, example: Example) -> Choice:
     """A :class:`Choice` from its YAML mapping; the names are checked here, before any run."""
     import lightning_kl as lk
+    from lightning_kl.estimators import ESTIMATORS, SAMPLED_ESTIMATORS
+    from lightning_kl.sequence import LEVELS
 
     if not isinstance(raw, dict) or set(raw) - {"name", "loss", "level", "reward", "weights"} or "name" not in raw:
         raise ValueError(f"a choice is a mapping with `name` and `loss` (and `level`, `weights`) or `reward`, got {raw!r}.")
@@ -124,20 +126,20 @@ def parse_choice(raw: Any, example: Example) -> Choice:
     if (choice.loss is None) == (choice.reward is None):
         raise ValueError(f"choice {choice.name!r}: give exactly one of `loss` and `reward`, got {raw!r}.")
     if choice.loss is not None:
-        if choice.loss not in lk.ESTIMATORS:
-            raise ValueError(f"choice {choice.name!r}: `loss` {choice.loss!r} is not one of {list(lk.ESTIMATORS)}.")
-        if choice.level not in lk.LEVELS:
-            raise ValueError(f"choice {choice.name!r}: `level` {choice.level!r} is not one of {list(lk.LEVELS)}.")
+        if choice.loss not in ESTIMATORS:
+            raise ValueError(f"choice {choice.name!r}: `loss` {choice.loss!r} is not one of {list(ESTIMATORS)}.")
+        if choice.level not in LEVELS:
+            raise ValueError(f"choice {choice.name!r}: `level` {choice.level!r} is not one of {list(LEVELS)}.")
         if not choice.weights and example.weights_key is None:
             raise ValueError(f"choice {choice.name!r}: this example always passes `old_logprob`; drop `weights: false`.")
         if choice.loss == "full" and not example.full:
             raise ValueError(f"choice {choice.name!r}: this example cannot use `full` in the loss; "
-                             f"use one of {sorted(lk.SAMPLED_ESTIMATORS)}.")
+                             f"use one of {sorted(SAMPLED_ESTIMATORS)}.")
     elif not choice.weights:
         raise ValueError(f"choice {choice.name!r}: `weights` is a setting of the loss; the reward has none.")
-    elif choice.reward not in lk.SAMPLED_ESTIMATORS:
+    elif choice.reward not in SAMPLED_ESTIMATORS:
         raise ValueError(
-            f"choice {choice.name!r}: `reward` {choice.reward!r} is not one of {sorted(lk.SAMPLED_ESTIMATORS)}."
+            f"choice {choice.name!r}: `reward` {choice.reward!r} is not one of {sorted(SAMPLED_ESTIMATORS)}."
         )
     return choice
 

@@ -52,6 +52,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 import lightning_kl as lk
+from lightning_kl.estimators import SAMPLED_ESTIMATORS
 from lightning_kl import hf
 
 if str(Path(__file__).resolve().parent) not in sys.path:  # loaded by path (the tests): find the siblings
@@ -296,7 +297,7 @@ class ArithmeticDataModule(pl.LightningDataModule):
         # the exact KL of the next-token distributions (0 on padding): summed over a response, an
         # unbiased estimate of the responses' KL (chain rule), no estimator noise; of the full
         # softmax, and of the processed policy against the reference's softmax and on its kept set
-        kl_full = lk.kl_penalty(logits, ref_logits, "full", mask=mask, temperature=T)
+        kl_full = lk.kl_penalty(logits, ref_logits, "full", mask=mask, sampling=lk.Sampling(temperature=T))
         kl_processed, kl_policy_kept = (
             lk.processed_full_kl(logits, ref_logits, mask, temperature=T, reference=r, **self.processing)
             for r in ("unprocessed", "policy_kept")
@@ -395,7 +396,7 @@ class HFGRPO(pl.LightningModule):
         if self.kl.spec.base == "full":
             raise ValueError(
                 "`kl_estimator` 'full' needs both models' logits in training_step; this example passes "
-                f"sampled-token log-probs: use one of {sorted(lk.SAMPLED_ESTIMATORS)}."
+                f"sampled-token log-probs: use one of {sorted(SAMPLED_ESTIMATORS)}."
             )
         self.policy: Any = None  # a peft PeftModel, made in setup() on the pretrained weights
         self.ref_acc = float("nan")

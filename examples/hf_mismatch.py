@@ -1,6 +1,6 @@
 r"""The Hugging Face GRPO example with a real rollout/trainer mismatch, measured and corrected.
 
-    python examples/hf_mismatch.py fit --config examples/configs/hf_grpo_lora.yaml --data.top_p=1.0 \
+    python examples/hf_mismatch.py fit --config examples/configs/hf_grpo_lora.yaml --data.sampling.top_p=1.0 \
         --data.engine=stale --model.correction=token_tis --trainer.logger.init_args.name=stale_token_tis
     python examples/hf_mismatch.py plot runs/hf_grpo docs/hf_mismatch.png stale_none stale_token_tis ...
 
@@ -117,7 +117,7 @@ class MismatchGRPO(hf_grpo.HFGRPO):
         returns = batch["scores"]
         adv = _runs.group_advantages(returns, batch["group"])[:, None]
         dm = self.trainer.datamodule
-        logprobs = hf.response_logprobs(self.policy, seq, am, p, dm.hparams.temperature, **dm.scoring)
+        logprobs = hf.response_logprobs(self.policy, seq, am, p, **dm.scoring)
         old, rollout = batch["logprobs"], batch["sampler_logprobs"]  # pi_old (trainer), mu (engine)
         ratio = torch.exp(logprobs - old)
         clipped = ratio.clamp(1 - self.hparams.clip_eps, 1 + self.hparams.clip_eps)

@@ -1,5 +1,11 @@
 """lightning-kl: KL regularization toward a reference model for RL fine-tuning, as Lightning parts."""
 
+from __future__ import annotations
+
+import importlib
+import warnings
+from typing import Any
+
 from lightning_kl.ground.vector_math import settle_vector_math
 
 settle_vector_math()  # first of all: oneMKL picks its exp/log kernels at this call, in this thread (see there)
@@ -8,20 +14,11 @@ from lightning_kl.accumulation import step_totals
 from lightning_kl.callback import KLRewardCallback
 from lightning_kl.controllers import AdaptiveKLController, FixedKLController, KLController, KLSchedule, TargetKLController
 from lightning_kl.correction import RolloutCorrection
-from lightning_kl.estimators import (
-    BASE_ESTIMATORS,
-    ESTIMATORS,
-    SAMPLED_ESTIMATORS,
-    EstimatorName,
-    EstimatorSpec,
-    SampledEstimatorName,
-    parse_estimator,
-)
+from lightning_kl.estimators import EstimatorName
 from lightning_kl import hf  # imports neither transformers nor peft
 from lightning_kl.ground.sampler import Sampling
 from lightning_kl.ground.vocab_shards import VocabShard
-from lightning_kl.functional import AGG_MODES, aggregate, kl_penalty
-from lightning_kl.ground.checks import AggMode
+from lightning_kl.functional import AggMode, aggregate, kl_penalty
 from lightning_kl.kernels.full import full_kl, full_kl_from_hidden
 from lightning_kl.logprobs import FromHidden, token_logprobs, token_logprobs_from_hidden
 from lightning_kl.loss import KLPenaltyLoss
@@ -31,25 +28,19 @@ from lightning_kl.mismatch_metric import MismatchMetric
 from lightning_kl.refresh import ReferenceRefresh
 from lightning_kl.rollouts import OnPolicyRollouts
 from lightning_kl.sampling import (
-    OUTSIDE_MODES,
-    REFERENCES,
     SampledLogprobs,
     processed_full_kl,
     processed_logprobs,
     processed_logprobs_from_hidden,
 )
-from lightning_kl.sequence import LEVELS, Level
+from lightning_kl.sequence import Level
 
 __version__ = "0.2.0"
 
 __all__ = [
-    "AGG_MODES",
-    "BASE_ESTIMATORS",
-    "ESTIMATORS",
     "AdaptiveKLController",
     "AggMode",
     "EstimatorName",
-    "EstimatorSpec",
     "FixedKLController",
     "FromHidden",
     "KLController",
@@ -58,15 +49,10 @@ __all__ = [
     "KLRewardCallback",
     "KLSchedule",
     "MismatchMetric",
-    "LEVELS",
     "Level",
-    "OUTSIDE_MODES",
     "OnPolicyRollouts",
-    "REFERENCES",
     "ReferenceRefresh",
     "RolloutCorrection",
-    "SAMPLED_ESTIMATORS",
-    "SampledEstimatorName",
     "VocabShard",
     "SampledLogprobs",
     "TargetKLController",
@@ -77,7 +63,6 @@ __all__ = [
     "hf",
     "kl_penalty",
     "mismatch_metrics",
-    "parse_estimator",
     "processed_full_kl",
     "processed_logprobs",
     "processed_logprobs_from_hidden",
@@ -85,3 +70,31 @@ __all__ = [
     "token_logprobs",
     "token_logprobs_from_hidden",
 ]
+
+#: Names that left ``__all__``, reachable as ``lk.NAME`` for one more minor version with a
+#: ``DeprecationWarning``: ``NAME: (module, attribute, what to use instead)``. One line per name.
+_DEPRECATED: dict[str, tuple[str, str, str]] = {
+    "ESTIMATORS": ("lightning_kl.estimators", "ESTIMATORS", "typing.get_args(typing.get_args(lk.EstimatorName)[0])"),
+    "BASE_ESTIMATORS": ("lightning_kl.estimators", "BASE_ESTIMATORS", "lk.EstimatorName (the names without '+')"),
+    "SAMPLED_ESTIMATORS": ("lightning_kl.estimators", "SAMPLED_ESTIMATORS", "lk.EstimatorName (every name but 'full')"),
+    "SampledEstimatorName": ("lightning_kl.estimators", "SampledEstimatorName", "lk.EstimatorName"),
+    "EstimatorSpec": ("lightning_kl.estimators", "EstimatorSpec", "the estimator's name (lk.EstimatorName)"),
+    "parse_estimator": ("lightning_kl.estimators", "parse_estimator", "the estimator's name: every entry point checks it"),
+    "AGG_MODES": ("lightning_kl.functional", "AGG_MODES", "typing.get_args(typing.get_args(lk.AggMode)[0])"),
+    "LEVELS": ("lightning_kl.sequence", "LEVELS", "typing.get_args(typing.get_args(lk.Level)[0])"),
+    "OUTSIDE_MODES": ("lightning_kl.sampling", "OUTSIDE_MODES", "the strings 'raise' and '-inf' (lightning_kl.sampling.OUTSIDE_MODES)"),
+    "REFERENCES": ("lightning_kl.sampling", "REFERENCES", "the strings 'unprocessed', 'processed', 'policy_kept' (lightning_kl.sampling.REFERENCES)"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    # PEP 562: a name of _DEPRECATED, with its warning; anything else is missing
+    if name in _DEPRECATED:
+        module, attribute, instead = _DEPRECATED[name]
+        warnings.warn(
+            f"`lightning_kl.{name}` is deprecated and leaves in the next minor version: use {instead}.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(importlib.import_module(module), attribute)
+    raise AttributeError(f"module 'lightning_kl' has no attribute {name!r}")

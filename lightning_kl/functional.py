@@ -14,40 +14,308 @@ would otherwise survive as ``nan = inf * 0`` in the result or in the gradient.
 from __future__ import annotations
 
 import math
-from typing import Optional
+import warnings
+from typing import Any, Literal, NamedTuple, Optional, Union
 
 import torch
 from torch import Tensor
 
 from lightning_kl.estimators import K3_CLAMP, EstimatorSpec, estimator_value, parse_estimator
 from lightning_kl.ground.checks import (
-    AGG_MODES,
-    check_agg_mode,
-    check_count,
     check_floating,
+    check_full_hidden_inputs,
     check_full_inputs,
     check_mask,
     check_matching,
-    check_max_weight,
-    check_sampled_temperature,
-    compute_dtype,
-    reject_old_logprob,
+    check_temperature,
+    check_values,
     warn_if_reference_requires_grad,
 )
-from lightning_kl.ground.vocab_shards import sampled_locals
+from lightning_kl.ground.sampler import Sampling
+from lightning_kl.ground.vocab_shards import is_vocab_parallel, local_part, sampled_locals
 from lightning_kl.kernels import fused
-from lightning_kl.kernels.full import full_kl_compute
+from lightning_kl.kernels.full import full_kl_compute, full_kl_from_hidden_compute
+from lightning_kl.kernels.processed_full import processed_full_kl_kernel
+from lightning_kl.logprobs import FromHidden
 from lightning_kl.sequence import (
+    check_kl_to_go,
     check_level,
     check_sampled_logprob,
     full_with_kl_to_go,
-    check_kl_to_go,
     prefix_log_weights,
     weighted_kl_to_go,
     with_kl_to_go,
 )
 
-__all__ = ["AGG_MODES", "aggregate", "aggregate_counts", "importance_weight", "kl_penalty", "kl_penalty_compute"]
+__all__ = [
+    "AGG_MODES",
+    "AggMode",
+    "KLInputs",
+    "aggregate",
+    "aggregate_checked",
+    "aggregate_counts",
+    "aggregate_counts_checked",
+    "check_agg_mode",
+    "check_count",
+    "check_kl_inputs",
+    "check_max_weight",
+    "full_kl_values",
+    "importance_weight",
+    "kl_penalty",
+    "kl_penalty_compute",
+    "kl_penalty_values",
+    "resolve_sampling",
+]
+
+#: The aggregation modes accepted by :func:`aggregate` (verl's names and semantics).
+AGG_MODES: tuple[str, ...] = (
+    "token-mean",
+    "token-sum",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)
+
+#: The type of an ``agg`` argument: one of the modes of :func:`aggregate`, listed by LightningCLI's
+#: ``--help``; any other string is refused when the object is built, by a message that lists the valid
+#: modes. The modes: ``typing.get_args(typing.get_args(lk.AggMode)[0])``.
+AggMode = Union[Literal[AGG_MODES], str]  # type: ignore[valid-type]
+
+#: How far above 0 a log-prob may be before it is refused: rounding of a log-softmax in the input's
+#: dtype (a gathered logit, the usual mistake, is off by its log-sum-exp, often several nats).
+LOGPROB_SLACK: dict[torch.dtype, float] = {torch.float16: 0.0625, torch.bfloat16: 0.25}
+DEFAULT_LOGPROB_SLACK = 1e-3
+
+
+def check_agg_mode(mode: object) -> str:
+    """Validate an aggregation mode name; raise ``ValueError`` listing the valid ones."""
+    if not isinstance(mode, str) or mode not in AGG_MODES:
+        valid = ", ".join(repr(m) for m in AGG_MODES)
+        raise ValueError(f"Unknown aggregation mode {mode!r}. Valid modes: {valid}.")
+    return mode
+
+
+def check_count(name: str, n: object) -> None:
+    """A divisor given in place of a batch's own count: ``None``, a number ``>= 0``, or a one-element tensor."""
+    if n is None:
+        return
+    if isinstance(n, Tensor):
+        if n.numel() != 1 or n.is_complex():
+            raise ValueError(f"`{name}` must be a number or a one-element tensor, got shape {tuple(n.shape)}.")
+        return  # its value is not read here: that would synchronize with the device
+    if isinstance(n, bool) or not isinstance(n, (int, float)) or not n >= 0 or n == float("inf"):
+        raise ValueError(f"`{name}` must be a finite number >= 0 or a tensor, got {n!r}.")
+
+
+def check_max_weight(max_weight: object) -> Optional[float]:
+    """Validate the importance weight cap: ``None``, or a finite real number ``>= 1``.
+
+    Raises:
+        ValueError: naming the bad value and the valid ones.
+    """
+    if max_weight is None:
+        return None
+    valid = isinstance(max_weight, (int, float)) and not isinstance(max_weight, bool)
+    if not valid or not math.isfinite(max_weight) or max_weight < 1:
+        raise ValueError(
+            "`max_weight` must be None (no truncation) or a finite number >= 1 (a cap below 1 would "
+            f"scale down on-policy tokens too, whose weight is 1), got {max_weight!r}."
+        )
+    return float(max_weight)
+
+
+def resolve_sampling(sampling: Any, temperature: Any, estimator: str, where: str, stacklevel: int = 3) -> Sampling:
+    """The sampler of an entry point from ``sampling=`` and the deprecated ``temperature=`` (None: not given).
+
+    ``temperature=T`` warns (``DeprecationWarning`` naming ``sampling=lk.Sampling(temperature=T)``) and is
+    read as that. A sampler that changes the distribution belongs to ``"full"`` only: sampled estimators take
+    log-probs that were computed under it already.
+
+    Raises:
+        ValueError: for both given, a ``sampling`` that is not an ``lk.Sampling``, or a non-neutral sampler
+            with a sampled estimator (saying where it belongs).
+    """
+    if temperature is not None:
+        warnings.warn(
+            f"`{where}(temperature=...)` is deprecated: pass `sampling=lk.Sampling(temperature={temperature!r})`, "
+            "the same object that configures the sampler and the scorer.",
+            DeprecationWarning,
+            stacklevel=stacklevel,
+        )
+        if sampling is not None:
+            raise ValueError("Pass `sampling=lk.Sampling(...)` alone, not with the deprecated `temperature=`.")
+        sampling = Sampling(temperature=check_temperature(temperature))
+    if sampling is None:
+        return Sampling()
+    if not isinstance(sampling, Sampling):
+        raise TypeError(f"`sampling` must be an `lk.Sampling` or None, got {type(sampling).__name__}.")
+    if estimator != "full" and sampling != Sampling():
+        raise ValueError(
+            f"`sampling` applies to the 'full' estimator (logits) only, got {sampling!r} with {estimator!r}: a "
+            "sampled estimator takes log-probs, so compute the policy's and the reference's under the same sampler, "
+            "`lk.token_logprobs(logits, tokens, sampling=sampling)`."
+        )
+    return sampling
+
+
+class KLInputs(NamedTuple):
+    """The checked inputs of :func:`kl_penalty` (:func:`check_kl_inputs`): each tensor checked once."""
+
+    logprob: Any
+    ref_logprob: Any
+    mask: Optional[Tensor]
+    old_logprob: Optional[Tensor]
+    sampled_logprob: Optional[Tensor]
+
+
+def check_kl_inputs(
+    logprob: Any,
+    ref_logprob: Any,
+    spec: EstimatorSpec,
+    mask: Any,
+    old_logprob: Any,
+    sampled_logprob: Any,
+    level: str,
+    stacklevel: int = 3,
+) -> KLInputs:
+    """Check the tensors of one :func:`kl_penalty` or :class:`~lightning_kl.KLPenaltyLoss` call, once.
+
+    The configuration (``spec``, ``level``) is checked by the caller. Returns the inputs to compute
+    with: the mask as bool, a DTensor of sampled log-probs as its local part, ``old_logprob`` detached.
+    ``stacklevel`` points the warnings at the user's call (Python's, counted from this function: 3 for a
+    function the user calls that calls this one).
+
+    Raises:
+        TypeError, ValueError: naming the argument, the shapes, and what fits.
+    """
+    sequence = level == "sequence"
+    if spec.base == "full":
+        if old_logprob is not None:
+            raise ValueError(
+                "`old_logprob` does not apply to the 'full' estimator: it sums over the whole vocabulary under "
+                "the current policy, so it needs no importance weights (they correct sampled tokens drawn by an "
+                "older policy). Drop `old_logprob`, or use a sampled estimator."
+            )
+        hidden = isinstance(logprob, FromHidden), isinstance(ref_logprob, FromHidden)
+        if any(hidden) and not all(hidden):
+            raise TypeError(
+                f"`lk.FromHidden` inputs take the 'full' estimator with one for each model, got {spec.name!r} with "
+                f"{type(logprob).__name__} and {type(ref_logprob).__name__}."
+            )
+        if all(hidden):
+            mask = check_full_hidden_inputs(*logprob, *ref_logprob, mask, stacklevel=stacklevel + 2)
+            like, what = logprob.hidden, "hidden"
+        else:
+            mask = check_full_inputs(logprob, ref_logprob, mask, stacklevel=stacklevel + 2)
+            like, what = local_part(logprob), "logits"
+        if mask is None and like.ndim < 3:
+            raise ValueError(
+                f"'full' takes the {what} of every position `[b, t, {'d' if what == 'hidden' else 'V'}]` and a mask "
+                f"`[b, t]`; got {what} {tuple(like.shape)} and no mask: a `[b, t]` tensor of log-probs here would "
+                "be read as b rows of a vocabulary of t. Pass both models' logits (or `lk.FromHidden`) with the "
+                "mask; for flat rows `[n, V]` pass `mask=torch.ones(n, dtype=torch.bool)`."
+            )
+        sampled_logprob = check_sampled_logprob(sampled_logprob, logprob.hidden if all(hidden) else logprob, sequence)
+        check_logprob_values({"sampled_logprob": sampled_logprob}, mask)
+        return KLInputs(logprob, ref_logprob, mask, None, sampled_logprob)
+    if any(isinstance(x, FromHidden) for x in (logprob, ref_logprob)):
+        raise TypeError(
+            f"`lk.FromHidden` inputs take the 'full' estimator with one for each model, got {spec.name!r} with "
+            f"{type(logprob).__name__} and {type(ref_logprob).__name__}; for a sampled estimator compute the log-probs "
+            "with `lk.token_logprobs_from_hidden`."
+        )
+    check_sampled_logprob(sampled_logprob, logprob, False)
+    logprob, ref_logprob, old_logprob = sampled_locals(logprob, ref_logprob, old_logprob)  # loss_parallel's DTensors
+    if sequence and isinstance(logprob, Tensor) and logprob.ndim == 0:
+        raise ValueError("level='sequence' needs a token dimension (the last one), got a scalar `logprob`.")
+    check_matching("logprob", logprob, "ref_logprob", ref_logprob)
+    warn_if_reference_requires_grad("ref_logprob", ref_logprob, stacklevel=stacklevel + 1)
+    if old_logprob is not None:
+        check_matching("old_logprob", old_logprob, "logprob", logprob)
+        if old_logprob.requires_grad:
+            warnings.warn(
+                "`old_logprob` requires grad: it is the sampling policy's log-probs, a constant of the importance "
+                "weight pi / pi_old; its gradient would change the estimator's (k3's by about half). It is detached "
+                "here; pass `old_logprob.detach()` (or compute it under `torch.no_grad()`).",
+                UserWarning,
+                stacklevel=stacklevel,
+            )
+            old_logprob = old_logprob.detach()
+    mask = check_mask(mask, logprob, "logprob")
+    check_logprob_values({"logprob": logprob, "ref_logprob": ref_logprob, "old_logprob": old_logprob}, mask)
+    return KLInputs(logprob, ref_logprob, mask, old_logprob, None)
+
+
+def check_logprob_values(named: dict[str, Optional[Tensor]], mask: Optional[Tensor]) -> None:
+    """Refuse a log-prob above 0 (beyond rounding: :data:`LOGPROB_SLACK`) at a valid position, in each
+    tensor of ``named`` (``{name: tensor or None}``).
+
+    The usual cause: logits gathered at the tokens (``logits.gather(-1, tokens)``) passed as log-probs.
+    On the CPU the error names the value; on an accelerator the check runs on the device, with no host
+    read (:func:`~lightning_kl.ground.checks.check_values`). NaN and ``-inf`` pass (handled downstream).
+    """
+    for name, logprob in named.items():
+        if logprob is None:
+            continue
+        slack = LOGPROB_SLACK.get(logprob.dtype, DEFAULT_LOGPROB_SLACK)
+        with torch.no_grad():
+            bad = logprob.detach() > slack
+            if mask is not None:
+                bad = bad & mask
+        rule = (
+            f"`{name}` must hold log-probabilities (<= 0): logits gathered at the tokens are not log-probs; use "
+            "`lk.token_logprobs(logits, tokens)` (log_softmax, then gather)"
+        )
+
+        def error(lp: Tensor = logprob, bad: Tensor = bad, rule: str = rule) -> ValueError:
+            return ValueError(f"{rule}. Got {float(lp.detach()[bad][0])!r} at a valid position.")
+
+        check_values(bad, error, rule)
+
+
+def full_kl_values(x: Any, ref_x: Any, mask: Optional[Tensor], sampling: Sampling) -> Tensor:
+    r"""The exact per-position KL of checked inputs: the one place where ``"full"`` reaches the kernels.
+
+    :math:`\mathrm{KL}(	ilde\pi \,\|\, \pi_{\mathrm{ref}})`, the policy processed by ``sampling`` and the
+    reference at the same temperature, unprocessed (``processed_full_kl``'s ``reference="unprocessed"``).
+    ``x`` and ``ref_x``: logits (a tensor, a vocabulary-split DTensor or an ``lk.VocabShard``) or one
+    :class:`~lightning_kl.FromHidden` each; ``mask`` bool or None.
+
+    Raises:
+        ValueError: for a truncating sampler (top-k, top-p, min-p) with hidden states or vocabulary-split
+            logits, which have no exact kernel yet.
+    """
+    if sampling.truncates and (isinstance(x, FromHidden) or is_vocab_parallel(x) or is_vocab_parallel(ref_x)):
+        raise ValueError(
+            f"The exact KL of a truncating sampler ({sampling!r}) is not available from "
+            f"{'hidden states' if isinstance(x, FromHidden) else 'logits split over the vocabulary'} yet: pass "
+            "the whole logits of both models, or a sampling with the temperature alone."
+        )
+    if isinstance(x, FromHidden):
+        return full_kl_from_hidden_compute(*x, *ref_x, mask, sampling.temperature)
+    if sampling.truncates:
+        return processed_full_kl_kernel(x, ref_x, None if mask is None else mask.reshape(-1), sampling, "unprocessed", None)
+    return full_kl_compute(x, ref_x, mask, sampling.temperature)
+
+
+def kl_penalty_values(
+    inputs: KLInputs,
+    spec: EstimatorSpec,
+    max_weight: Optional[float] = None,
+    level: str = "token",
+    kl_to_go: str = "k1",
+    sampling: Optional[Sampling] = None,
+) -> Tensor:
+    """Per-token values of checked inputs (:func:`check_kl_inputs`), in the compute dtype: the way of
+    :func:`kl_penalty` and :class:`~lightning_kl.KLPenaltyLoss` alike."""
+    if spec.base == "full":
+        kl = full_kl_values(inputs.logprob, inputs.ref_logprob, inputs.mask, sampling or Sampling())
+        if inputs.sampled_logprob is not None:
+            kl = full_with_kl_to_go(kl, inputs.sampled_logprob, inputs.mask)
+        return kl
+    return kl_penalty_compute(
+        inputs.logprob, inputs.ref_logprob, spec, inputs.mask, inputs.old_logprob, max_weight, level, kl_to_go
+    )
 
 
 def kl_penalty_compute(
@@ -65,7 +333,7 @@ def kl_penalty_compute(
     The single dispatch point of every caller (the function, the loss, the callback). Inputs are
     checked by the caller. ``level="sequence"``: see :mod:`lightning_kl.sequence`.
     """
-    dtype = compute_dtype(logprob, ref_logprob)
+    dtype = torch.promote_types(torch.promote_types(logprob.dtype, ref_logprob.dtype), torch.float32)  # compute_dtype
     zero = torch.zeros((), dtype=dtype, device=logprob.device)
     if level == "token" and old_logprob is not None and spec.base == "k3" and not spec.straight_through:
         return _off_policy_k3(logprob, ref_logprob, old_logprob, mask, max_weight, dtype)
@@ -134,7 +402,7 @@ def _off_policy_k3(
     :math:`\log w - d = \log\pi_{ref} - \log\pi_{old}` free of the policy, the first term carries no
     gradient to ``logprob`` there and the second carries :math:`w\,c` exactly. The value is still
     ``w * (expm1(-c) + c)`` (accurate for small ``d``, where the two-term form would cancel); the
-    gradient w.r.t. ``ref_logprob`` and ``old_logprob`` is the product's, too. Not fused: the
+    gradient w.r.t. ``ref_logprob`` is the product's, too (``old_logprob`` comes detached). Not fused: the
     composition's temporaries, for this one case.
     """
     zero = torch.zeros((), dtype=dtype, device=logprob.device)
@@ -241,12 +509,6 @@ def check_pair(logprob: object, ref_logprob: object) -> None:
     warn_if_reference_requires_grad("ref_logprob", ref_logprob)
 
 
-def check_old_logprob(old_logprob: Optional[Tensor], logprob: Tensor) -> None:
-    """``old_logprob``, when given, fits ``logprob``."""
-    if old_logprob is not None:
-        check_matching("old_logprob", old_logprob, "logprob", logprob)
-
-
 def kl_penalty(
     logprob: Tensor,
     ref_logprob: Tensor,
@@ -255,10 +517,11 @@ def kl_penalty(
     mask: Optional[Tensor] = None,
     old_logprob: Optional[Tensor] = None,
     max_weight: Optional[float] = None,
-    temperature: float = 1.0,
+    temperature: Optional[float] = None,
     level: str = "token",
     sampled_logprob: Optional[Tensor] = None,
     kl_to_go: str = "k1",
+    sampling: Optional[Sampling] = None,
 ) -> Tensor:
     r"""Per-token estimate of :math:`\mathrm{KL}(\pi \,\|\, \pi_{\mathrm{ref}})` for sampled tokens.
 
@@ -269,16 +532,20 @@ def kl_penalty(
 
     See :mod:`lightning_kl.estimators` for the full table of values and gradients.
 
-    With ``estimator="full"`` the inputs are both models' *logits* ``[..., V]`` instead, ``mask`` is
-    ``[...]``, and the result ``[...]`` is the exact KL of ``softmax(logits / temperature)`` to
-    ``softmax(ref_logits / temperature)`` over the vocabulary, with its exact gradient, computed
-    by chunks in bounded memory (:mod:`lightning_kl.kernels.full`). ``old_logprob`` is rejected there: the
-    exact KL needs no importance weights.
+    With ``estimator="full"`` the inputs are both models' *logits* ``[..., V]`` instead (or one
+    :class:`~lightning_kl.FromHidden` each: hidden states and LM head, the logits made chunk by chunk),
+    ``mask`` is ``[...]``, and the result ``[...]`` is the exact KL over the vocabulary of the policy's
+    distribution as ``sampling`` draws from it (``softmax(logits / T)``, truncated and renormalized by
+    top-k, top-p, min-p) to ``softmax(ref_logits / T)``, with its exact gradient, computed by chunks in
+    bounded memory. ``old_logprob`` is rejected there: the exact KL needs no importance weights.
+    ``[b, t]`` inputs without a mask are refused there (log-probs where logits belong).
+
+    Every valid log-prob must be ``<= 0`` (beyond rounding): logits gathered at the tokens are refused.
 
     Args:
         logprob: ``[..., t]`` log-probabilities of the sampled tokens under the policy.
         ref_logprob: ``[..., t]`` log-probabilities of the same tokens under the reference.
-        estimator: one of :data:`lightning_kl.ESTIMATORS` (or a parsed spec).
+        estimator: one of the names of :data:`lightning_kl.EstimatorName`.
         mask: optional ``[..., t]`` mask, True on valid tokens. Where it is False the result is 0 with
             a zero gradient, whatever the inputs hold there (NaN, inf, -1e10 padding).
         old_logprob: optional ``[..., t]`` log-probabilities of the sampled tokens under the policy
@@ -290,9 +557,10 @@ def kl_penalty(
         max_weight: optional cap ``c >= 1`` of the importance weights (truncated importance sampling,
             ``w -> min(w, c)``): bounds the variance at the price of a bias, documented exactly in
             :func:`importance_weight`. Ignored without ``old_logprob``.
-        temperature: ``full`` only: the policy's sampling temperature ``T > 0`` in
-            ``softmax(logits / T)``. Sampled estimators take log-probs already computed at the
-            sampling temperature, so any other value than 1 is an error for them.
+        temperature: deprecated, ``sampling=lk.Sampling(temperature=T)`` (a ``DeprecationWarning``).
+        sampling: ``full`` only: the sampler, an :class:`~lightning_kl.Sampling` (default: plain
+            softmax at T = 1). Sampled estimators take log-probs already computed under the sampler,
+            so any other sampler is an error for them: compute both models' log-probs with it.
         level: ``"token"`` (default): each token's KL given its prefix. ``"sequence"``: the KL of
             whole responses along the last dimension. The values are the token level's on-policy
             (``rho_{1:t}`` times them with ``old_logprob``: per-decision weights), and the gradient
@@ -303,8 +571,9 @@ def kl_penalty(
             count is fixed). Derivations: :mod:`lightning_kl.sequence`. With ``full`` (on-policy) it
             needs ``sampled_logprob``.
         sampled_logprob: ``full`` at ``level="sequence"`` only: ``[..., t]`` the policy's log-probs of
-            the sampled tokens (differentiable, at the sampling temperature), whose score carries the
-            KL-to-go term; the future term is then the exact KL of the later positions.
+            the sampled tokens under ``sampling``'s processed distribution (differentiable:
+            ``lk.token_logprobs(logits, tokens, sampling=sampling)``), whose score carries the KL-to-go
+            term; the future term is then the exact KL of the later positions.
         kl_to_go: sampled estimators at ``level="sequence"``: ``"k1"`` (default), the KL-to-go as the
             sum of the later log-ratios ``d_s``, or ``"k3"``, the sum of their ``k3`` values: the same
             expectation (exact) with less noise. See :data:`lightning_kl.sequence.KL_TO_GO`.
@@ -331,27 +600,19 @@ def kl_penalty(
     """
     spec = parse_estimator(estimator)
     max_weight = check_max_weight(max_weight)
-    sequence = check_level(level) == "sequence"
-    check_kl_to_go(kl_to_go, level, spec.base == "full")
-    if spec.base == "full":
-        reject_old_logprob(old_logprob)
-        mask = check_full_inputs(logprob, ref_logprob, mask)
-        sampled_logprob = check_sampled_logprob(sampled_logprob, logprob, sequence)
-        out_dtype = torch.promote_types(logprob.dtype, ref_logprob.dtype)
-        kl = full_kl_compute(logprob, ref_logprob, mask, temperature)
-        if sampled_logprob is not None:
-            kl = full_with_kl_to_go(kl, sampled_logprob, mask)
-        return kl.to(out_dtype)
-    check_sampled_logprob(sampled_logprob, logprob, False)
-    logprob, ref_logprob, old_logprob = sampled_locals(logprob, ref_logprob, old_logprob)  # loss_parallel's DTensors
-    if sequence and isinstance(logprob, Tensor) and logprob.ndim == 0:
-        raise ValueError("level='sequence' needs a token dimension (the last one), got a scalar `logprob`.")
-    check_sampled_temperature(temperature, spec.name)
-    check_pair(logprob, ref_logprob)
-    check_old_logprob(old_logprob, logprob)
-    mask = check_mask(mask, logprob, "logprob")
-    out_dtype = torch.promote_types(logprob.dtype, ref_logprob.dtype)
-    return kl_penalty_compute(logprob, ref_logprob, spec, mask, old_logprob, max_weight, level, kl_to_go).to(out_dtype)
+    level = check_level(level)
+    kl_to_go = check_kl_to_go(kl_to_go, level, spec.base == "full")
+    sampling = resolve_sampling(sampling, temperature, spec.name, "kl_penalty")
+    inputs = check_kl_inputs(logprob, ref_logprob, spec, mask, old_logprob, sampled_logprob, level)
+    out_dtype = _out_dtype(inputs.logprob, inputs.ref_logprob)
+    return kl_penalty_values(inputs, spec, max_weight, level, kl_to_go, sampling).to(out_dtype)
+
+
+def _out_dtype(x: Any, ref_x: Any) -> torch.dtype:
+    # the inputs' promoted dtype (the heads' for hidden states)
+    if isinstance(x, FromHidden):
+        return torch.promote_types(torch.promote_types(x.weight.dtype, ref_x.weight.dtype), torch.float32)
+    return torch.promote_types(local_part(x).dtype, local_part(ref_x).dtype)
 
 
 def aggregate(
@@ -393,7 +654,7 @@ def aggregate(
     Args:
         values: ``[..., t]`` per-token values (at least one dimension).
         mask: optional ``[..., t]`` mask (bool, or 0/1 numbers read as ``mask != 0``).
-        mode: one of :data:`AGG_MODES`.
+        mode: one of :data:`lightning_kl.AggMode`'s modes.
         norm: the constant divisor of ``seq-mean-token-sum-norm`` (default: ``t``); keep it fixed
             across a run (e.g. the maximum response length) to reproduce Dr. GRPO.
         num_tokens: the divisor of ``token-mean`` in place of this batch's valid-token count,
@@ -429,7 +690,20 @@ def aggregate(
     check_count("num_seqs", num_seqs)
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"`world_size` must be a positive integer, got {world_size!r}.")
-    dtype = compute_dtype(values)
+    return aggregate_checked(values, mask, mode, norm, num_tokens, num_seqs, world_size)
+
+
+def aggregate_checked(
+    values: Tensor,
+    mask: Optional[Tensor],
+    mode: str,
+    norm: Optional[float] = None,
+    num_tokens: Optional[Tensor | float] = None,
+    num_seqs: Optional[Tensor | float] = None,
+    world_size: int = 1,
+) -> Tensor:
+    """:func:`aggregate` of checked arguments (``mask`` bool or None): the maths, shared with the loss."""
+    dtype = torch.promote_types(values.dtype, torch.float32)  # compute_dtype
     v = values.to(dtype)
     zero = torch.zeros((), dtype=dtype, device=v.device)
     if mask is not None:
@@ -469,7 +743,11 @@ def aggregate_counts(values: Tensor, mask: Optional[Tensor] = None) -> Tensor:
     check_floating("values", values)
     if values.ndim == 0:
         raise ValueError("`values` must have at least one (token) dimension, got a scalar.")
-    mask = check_mask(mask, values, "values")
+    return aggregate_counts_checked(values, check_mask(mask, values, "values"))
+
+
+def aggregate_counts_checked(values: Tensor, mask: Optional[Tensor]) -> Tensor:
+    """:func:`aggregate_counts` of checked arguments (``mask`` bool or None)."""
     if mask is None:
         n_seqs = math.prod(values.shape[:-1]) if values.shape[-1] else 0
         return torch.tensor([values.numel(), n_seqs], dtype=torch.int64, device=values.device)

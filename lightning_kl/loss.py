@@ -13,32 +13,22 @@ from torch import Tensor, nn
 from lightning_kl.accumulation import check_accumulate_grad_batches
 from lightning_kl.controllers import KLController
 from lightning_kl.estimators import EstimatorName, parse_estimator
-from lightning_kl.functional import aggregate, aggregate_counts, check_old_logprob, check_pair, kl_penalty_compute
-from lightning_kl.ground.checks import (
+from lightning_kl.functional import (
     AggMode,
+    aggregate_checked,
+    aggregate_counts_checked,
     check_agg_mode,
     check_count,
-    check_full_hidden_inputs,
-    check_full_inputs,
-    check_mask,
+    check_kl_inputs,
     check_max_weight,
-    check_sampled_temperature,
-    check_temperature,
-    reject_old_logprob,
+    kl_penalty_values,
+    resolve_sampling,
 )
 from lightning_kl.ground.parallel import check_parallel_args, data_parallel_group
-from lightning_kl.ground.vocab_shards import sampled_locals
-from lightning_kl.kernels.full import full_kl_compute, full_kl_from_hidden_compute
+from lightning_kl.ground.sampler import Sampling
 from lightning_kl.logprobs import FromHidden
 from lightning_kl.metric import KLMetric
-from lightning_kl.sequence import (
-    Level,
-    check_kl_to_go,
-    check_level,
-    check_sampled_logprob,
-    check_sequence_agg,
-    full_with_kl_to_go,
-)
+from lightning_kl.sequence import Level, check_kl_to_go, check_level, check_sequence_agg
 
 __all__ = ["KLPenaltyLoss"]
 
@@ -76,6 +66,10 @@ _COUNT_OF_MODE = {"token-mean": 0, "seq-mean-token-sum": 1, "seq-mean-token-mean
 class KLPenaltyLoss(nn.Module):
     r"""``coef * aggregate(kl_penalty(logprob, ref_logprob, estimator), mask, agg)``.
 
+    A thin shell over the functions users call: forward checks its inputs once, computes the values
+    the way :func:`~lightning_kl.kl_penalty` does (the same internal helpers, with the same inputs),
+    feeds them to :attr:`metric` and reduces them as :func:`~lightning_kl.aggregate` does.
+
     Notation: ``b`` batch, ``t`` response length.
 
     .. math::
@@ -86,12 +80,13 @@ class KLPenaltyLoss(nn.Module):
     ``self.log("train/kl", self.kl.metric)``.
 
     Args:
-        estimator: one of :data:`lightning_kl.ESTIMATORS`; ``+`` names carry the k2 gradient, the
-            unbiased gradient of the KL for on-policy samples. Validated here.
+        estimator: one of the names of :data:`lightning_kl.EstimatorName`; ``+`` names carry the k2
+            gradient, the unbiased gradient of the KL for on-policy samples. Validated here.
         coef: the loss coefficient: a number (``>= 0``), or a :class:`~lightning_kl.KLController` that
             moves it once per optimizer step from the KL of that step (see "KL control" below).
-        agg: one of :data:`lightning_kl.AGG_MODES`; ``None`` (the default) is ``"token-mean"``, with a
-            warning at ``level="sequence"``, where that mode is exact only for a fixed token count.
+        agg: one of the modes of :data:`lightning_kl.AggMode`; ``None`` (the default) is ``"token-mean"``,
+            with a warning at ``level="sequence"``, where that mode is exact only for a fixed token count
+            (an explicit ``"token-mean"`` there warns once, at the first batch whose lengths differ).
         agg_norm: the constant divisor of ``seq-mean-token-sum-norm`` (default: the padded length).
         global_batch: normalize as one process over the global batch of every data parallel
             replica. When ``torch.distributed`` is initialized, forward sums the (detached) counts
@@ -112,9 +107,15 @@ class KLPenaltyLoss(nn.Module):
         max_weight: ``None``, or the cap ``c >= 1`` of the importance weights when forward gets
             ``old_logprob`` (truncated importance sampling, ``w -> min(w, c)``): less variance
             for a bias that :func:`~lightning_kl.functional.importance_weight` states exactly.
-        temperature: ``estimator="full"`` only: the policy's sampling temperature ``T > 0``; the
-            KL is that of ``softmax(logits / T)`` to ``softmax(ref_logits / T)``. Any value but 1
-            with a sampled estimator is an error (their log-probs carry the temperature already).
+        temperature: deprecated: ``sampling=lk.Sampling(temperature=T)`` (a ``DeprecationWarning``).
+        sampling: ``estimator="full"`` only: the sampler, an :class:`~lightning_kl.Sampling`
+            (temperature, top-k, top-p, min-p; default: the plain softmax). The KL is that of the
+            distribution the sampler draws from, ``softmax(logits / T)`` truncated and renormalized, to
+            the reference's ``softmax(ref_logits / T)`` (unprocessed, at the same temperature), exact at
+            both levels. Any other sampler than the default with a sampled estimator is an error: their
+            log-probs carry the sampler already, and **both models' log-probs must then come from the
+            same** ``Sampling`` (``lk.token_logprobs(..., sampling=sampling)``): a reference scored at
+            ``T = 1`` against a policy at ``T = 0.7`` cannot be seen in log-probs, and biases the KL.
         level: ``"token"`` (default) or ``"sequence"``: the KL of whole responses along the last
             dimension. Same values on-policy (per-decision weights ``rho_{1:t}`` off-policy), plus
             the KL-to-go gradient term ``grad log pi_t * sum_{s > t} d_s`` for every valid token,
@@ -122,7 +123,9 @@ class KLPenaltyLoss(nn.Module):
             responses' KL for ``k2`` and every ``+`` name (``k1``, ``k3`` too with
             ``old_logprob``). ``agg="seq-mean-token-mean"`` (a length-normalized objective) is
             rejected here; ``token-mean`` is exact when the number of valid tokens per batch is
-            fixed. ``full`` then needs ``sampled_logprob`` in forward. See :mod:`lightning_kl.sequence`.
+            fixed. ``full`` then needs ``sampled_logprob`` in forward: the policy's log-prob of the sampled
+            token under the *processed* distribution of ``sampling`` (the score of what the sampler
+            drew). See :mod:`lightning_kl.sequence`.
         kl_to_go: sampled estimators at ``level="sequence"``: ``"k1"`` (default, the sum of the later
             log-ratios) or ``"k3"`` (the sum of their ``k3`` values: the same expectation, less noise).
         process_group: the data parallel ``ProcessGroup`` (for ``global_batch`` and :attr:`metric`), for
@@ -136,7 +139,24 @@ class KLPenaltyLoss(nn.Module):
     In place of the logits it also takes one :class:`~lightning_kl.FromHidden` per model (the last
     hidden states and the LM head): the logits are then made chunk by chunk and never held whole
     (:func:`~lightning_kl.full_kl_from_hidden`),
-    ``self.kl(lk.FromHidden(hidden, lm_head.weight), lk.FromHidden(ref_hidden, ref_head.weight), mask)``.
+    ``self.kl(lk.FromHidden(hidden, lm_head.weight), lk.FromHidden(ref_hidden, ref_head.weight), mask)``
+    (a truncating ``sampling`` from hidden states is not available yet: refused by name). ``[b, t]`` inputs
+    without a mask are refused there: log-probs where logits belong.
+
+    Log-probs are checked to be ``<= 0`` at valid positions (beyond rounding): logits gathered at the
+    tokens are refused, on the CPU by a ``ValueError`` naming the value, on an accelerator by a
+    device-side assertion (no host read). ``old_logprob`` is the sampler's, a constant: one that
+    requires grad is detached, with a warning.
+
+    **Gradient accumulation and the Trainer.** Lightning divides each micro-batch's loss by the
+    Trainer's ``accumulate_grad_batches`` (``k``); with the step's totals (``num_tokens``, ``num_seqs``)
+    the loss multiplies by ``k`` back. It learns ``k`` from the Trainer that fits its LightningModule,
+    handed over by :class:`~lightning_kl.trainer_hooks.KLLossCallback` at ``setup`` (every Trainer
+    gets one), never from the call stack: any ``training_step`` (argument names, wrappers,
+    ``torch.compile``) works. ``k`` is read only while that Trainer trains; while it validates, tests
+    or predicts nothing accumulates and ``k`` is 1. A ``deepcopy`` or a pickle of the loss is attached
+    to no Trainer. Where the loss cannot know ``k`` (attached to no Trainer, and forward given the
+    step's totals but no ``accumulate_grad_batches``) it assumes 1 and says so, once.
 
     Shapes in ``forward``: ``logprob``, ``ref_logprob`` and ``mask`` are ``[b, t]`` (any shape,
     the same for all three). Half precision inputs are computed and reduced in float32; the loss is
@@ -193,11 +213,12 @@ class KLPenaltyLoss(nn.Module):
         agg_norm: Optional[float] = None,
         global_batch: bool = False,
         max_weight: Optional[float] = None,
-        temperature: float = 1.0,
+        temperature: Optional[float] = None,
         level: Level = "token",
         kl_to_go: str = "k1",
         process_group: Any = None,
         device_mesh: Any = None,
+        sampling: Optional[Sampling] = None,
     ) -> None:
         super().__init__()
         check_parallel_args(process_group, device_mesh)
@@ -213,9 +234,7 @@ class KLPenaltyLoss(nn.Module):
             raise ValueError(f"`global_batch` must be True or False, got {global_batch!r}.")
         self.global_batch = global_batch
         self.max_weight = check_max_weight(max_weight)
-        self.temperature = check_temperature(temperature)
-        if self.spec.base != "full":
-            check_sampled_temperature(self.temperature, self.spec.name)
+        self.sampling = resolve_sampling(sampling, temperature, self.spec.name, "KLPenaltyLoss", stacklevel=3)
         self.level = check_level(level)
         if self.level == "sequence":
             check_sequence_agg(self.agg)
@@ -229,12 +248,19 @@ class KLPenaltyLoss(nn.Module):
         self.kl_to_go = check_kl_to_go(kl_to_go, self.level, self.spec.base == "full")
         self.metric = KLMetric(process_group=process_group, device_mesh=device_mesh)
         self._warned_micro_counts = False
+        self._warned_unknown_k = False
+        self._warned_lengths = agg is None  # the default agg at level="sequence" warned above already
         self._trainer_ref: Optional[weakref.ReferenceType] = None
 
     @property
     def estimator(self) -> str:
         """The estimator name as configured."""
         return self.spec.name
+
+    @property
+    def temperature(self) -> float:
+        """The sampler's temperature (``self.sampling.temperature``)."""
+        return self.sampling.temperature
 
     def forward(
         self,
@@ -268,45 +294,19 @@ class KLPenaltyLoss(nn.Module):
 
         ``accumulate_grad_batches`` defaults to the Trainer's while a Trainer trains the
         ``LightningModule`` holding this loss (see :meth:`attach`), so that forgetting the totals is
-        warned about. Outside a Trainer it is 1; pass it to override.
+        warned about; 1 while it validates or predicts. Attached to no Trainer it is 1, said once when
+        the step's totals are given (they suggest accumulation); pass it to override.
         """
-        from_hidden = isinstance(logprob, FromHidden), isinstance(ref_logprob, FromHidden)
-        if any(from_hidden) and not (self.spec.base == "full" and all(from_hidden)):
-            raise TypeError(
-                f"`lk.FromHidden` inputs take the 'full' estimator with one for each model, got "
-                f"{self.spec.name!r} with {type(logprob).__name__} and {type(ref_logprob).__name__}; for a "
-                "sampled estimator compute the log-probs with `lk.token_logprobs_from_hidden`."
-            )
-        if self.spec.base == "full" and all(from_hidden):
-            reject_old_logprob(old_logprob)
-            pol, ref = logprob, ref_logprob
-            mask = check_full_hidden_inputs(*pol, *ref, mask)
-            sampled_logprob = check_sampled_logprob(sampled_logprob, pol.hidden, self.level == "sequence")
-            kl = full_kl_from_hidden_compute(*pol, *ref, mask, self.temperature)
-            if sampled_logprob is not None:
-                kl = full_with_kl_to_go(kl, sampled_logprob, mask)
-        elif self.spec.base == "full":
-            reject_old_logprob(old_logprob)
-            mask = check_full_inputs(logprob, ref_logprob, mask)
-            sampled_logprob = check_sampled_logprob(sampled_logprob, logprob, self.level == "sequence")
-            kl = full_kl_compute(logprob, ref_logprob, mask, self.temperature)
-            if sampled_logprob is not None:
-                kl = full_with_kl_to_go(kl, sampled_logprob, mask)
-        else:
-            check_sampled_logprob(sampled_logprob, logprob, False)
-            logprob, ref_logprob, old_logprob = sampled_locals(logprob, ref_logprob, old_logprob)  # loss_parallel's DTensors
-            check_pair(logprob, ref_logprob)
-            check_old_logprob(old_logprob, logprob)
-            mask = check_mask(mask, logprob, "logprob")
-            kl = kl_penalty_compute(
-                logprob, ref_logprob, self.spec, mask, old_logprob, self.max_weight, self.level, self.kl_to_go
-            )
-        k = check_accumulate_grad_batches(self._trainer_accumulation() if accumulate_grad_batches is None else accumulate_grad_batches)
         given = (num_tokens, num_seqs)
-        for name, n in zip(("num_tokens", "num_seqs"), given):
-            check_count(name, n)
+        k = self._accumulation(accumulate_grad_batches, given)
+        # inputs checked once (stacklevel 5: the user's `self.kl(...)` through nn.Module's two call frames),
+        # then down the layers: values, metric, aggregation
+        inputs = check_kl_inputs(logprob, ref_logprob, self.spec, mask, old_logprob, sampled_logprob, self.level, stacklevel=5)
+        kl = kl_penalty_values(inputs, self.spec, self.max_weight, self.level, self.kl_to_go, self.sampling)
+        mask = inputs.mask
         self._warn_if_micro_batch_counts(k, given)
-        self.metric(kl.detach(), mask)
+        self._warn_if_lengths_vary(mask, num_tokens)
+        self.metric(kl.detach(), mask, checked=True)
         return self._apply_coef(self._aggregate(kl, mask, given, k), kl, mask)
 
     # ------------------------------------------------------------------------------------------
@@ -421,12 +421,52 @@ class KLPenaltyLoss(nn.Module):
         state["_trainer_ref"] = None
         return state
 
-    def _trainer_accumulation(self) -> int:
-        # the Trainer's accumulate_grad_batches while it trains the LightningModule holding this loss
+    def _trainer_accumulation(self) -> Optional[int]:
+        # the Trainer's accumulate_grad_batches while it trains the LightningModule holding this loss;
+        # 1 while it validates, tests or predicts (nothing accumulates); None when attached to none
         trainer = None if self._trainer_ref is None else self._trainer_ref()
-        if trainer is None or not getattr(trainer, "training", False):
+        if trainer is None:
+            return None
+        if not getattr(trainer, "training", False):
             return 1
         return getattr(trainer, "accumulate_grad_batches", 1)
+
+    def _accumulation(self, k: Optional[int], given: tuple[Any, Any]) -> int:
+        # k: the argument, else the Trainer's; the step's totals checked on the way (they are its partners)
+        if k is None:
+            k = self._trainer_accumulation()
+        for name, n in zip(("num_tokens", "num_seqs"), given):
+            check_count(name, n)
+        if k is not None:
+            return check_accumulate_grad_batches(k)
+        if any(n is not None for n in given) and not self._warned_unknown_k:
+            self._warned_unknown_k = True
+            rank_zero_warn(
+                "KLPenaltyLoss got the step's totals (`num_tokens`/`num_seqs`) but knows no `accumulate_grad_batches`: "
+                "it is attached to no Trainer (KLLossCallback attaches it at `setup` of `Trainer.fit`), so it "
+                "assumes 1. Under gradient accumulation pass `accumulate_grad_batches=k` to forward (or "
+                "`loss.attach(trainer)`), else the accumulated gradient is k times too small."
+            )
+        return 1
+
+    def _warn_if_lengths_vary(self, mask: Optional[Tensor], num_tokens: Any) -> None:
+        # an explicit agg="token-mean" at level="sequence" is exact only for a fixed token count per batch;
+        # reads the mask's values: on the CPU until it warns, on an accelerator at the first call only
+        if self._warned_lengths or self.level != "sequence" or self.agg != "token-mean":
+            return
+        if mask is None or mask.ndim < 2 or isinstance(num_tokens, (int, float)):
+            return
+        if mask.device.type != "cpu":
+            self._warned_lengths = True  # one host read, this once
+        lengths = mask.reshape(-1, mask.shape[-1]).sum(-1)
+        if bool((lengths != lengths[0]).any()):
+            self._warned_lengths = True
+            rank_zero_warn(
+                "KLPenaltyLoss(level='sequence', agg='token-mean') got responses of different lengths: 'token-mean' "
+                "divides by the batch's token count, which then varies with the samples, and the gradient is not the "
+                "responses' KL's (a length-normalized objective instead). Use agg='seq-mean-token-sum' (the mean KL "
+                "per response), 'token-sum' or 'seq-mean-token-sum-norm', or pass a fixed `num_tokens`."
+            )
 
     def _warn_if_micro_batch_counts(self, k: int, given: tuple[Any, Any]) -> None:
         needed = _COUNT_OF_MODE.get(self.agg)
@@ -452,7 +492,7 @@ class KLPenaltyLoss(nn.Module):
             world = dp.size
             needed = _COUNT_OF_MODE.get(self.agg)
             if needed is not None:
-                local = aggregate_counts(kl, mask).to(torch.float64)
+                local = aggregate_counts_checked(kl, mask).to(torch.float64)
                 if given[needed] is not None:
                     # this process's step total in place of its micro-batch count
                     local[needed] = torch.as_tensor(given[needed], dtype=torch.float64, device=local.device).reshape(())
@@ -464,7 +504,7 @@ class KLPenaltyLoss(nn.Module):
         # values is the nearest to the step's value (times k it would be k times too large)
         needed = _COUNT_OF_MODE.get(self.agg)
         counts["world_size"] = world * (1 if needed is not None and given[needed] is None else k)
-        agg = aggregate(kl, mask, self.agg, norm=self.agg_norm, **counts)
+        agg = aggregate_checked(kl, mask, self.agg, self.agg_norm, **counts)
         # times exactly 1 when the loss is finite, NaN when not: a NaN at a valid position then
         # also turns every gradient to NaN, where anomaly detection sees it, even for estimators
         # whose gradient ignores the value (k1's is 1 everywhere)
@@ -474,8 +514,8 @@ class KLPenaltyLoss(nn.Module):
         extra = ", global_batch=True" if self.global_batch else ""
         if self.max_weight is not None:
             extra += f", max_weight={self.max_weight}"
-        if self.temperature != 1.0:
-            extra += f", temperature={self.temperature}"
+        if self.sampling != Sampling():
+            extra += f", sampling={self.sampling!r}"
         if self.level != "token":
             extra += f", level={self.level!r}"
         if self.kl_to_go != "k1":

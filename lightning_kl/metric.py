@@ -14,10 +14,11 @@ from lightning_kl.ground.parallel import check_parallel_args, data_parallel_grou
 __all__ = ["KLMetric"]
 
 
-def _kl_metric_update(values: Tensor, mask: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+def _kl_metric_update(values: Tensor, mask: Optional[Tensor], checked: bool = False) -> tuple[Tensor, Tensor]:
     """Masked sum (float64) and valid-token count (int64) of a batch of per-token values."""
-    check_floating("values", values)
-    mask = check_mask(mask, values, "values")
+    if not checked:
+        check_floating("values", values)
+        mask = check_mask(mask, values, "values")
     v = values.detach().to(torch.float64)
     if mask is None:
         return v.sum(), torch.tensor(v.numel(), dtype=torch.int64, device=v.device)
@@ -91,8 +92,9 @@ class KLMetric(Metric):
         self.add_state("total", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
         self.add_state("count", default=torch.tensor(0, dtype=torch.int64), dist_reduce_fx="sum")
 
-    def update(self, values: Tensor, mask: Optional[Tensor] = None) -> None:
-        total, count = _kl_metric_update(values, mask)
+    def update(self, values: Tensor, mask: Optional[Tensor] = None, *, checked: bool = False) -> None:
+        # checked=True: a caller that checked both already (KLPenaltyLoss: a floating tensor, a bool mask of its shape)
+        total, count = _kl_metric_update(values, mask, checked)
         self.total += total
         self.count += count
 

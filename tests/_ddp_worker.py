@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 import lightning_kl as lk
+from lightning_kl.functional import AGG_MODES
 from _trainers import make_quiet_trainer
 
 WORLD = 2
@@ -83,8 +84,8 @@ def grad_data() -> dict[str, dict[str, Tensor]]:
 
 def grad_configs() -> list[tuple[str, str, bool]]:
     """(data set, aggregation mode, global_batch) for every gradient the run records."""
-    configs = [("unequal", mode, flag) for mode in lk.AGG_MODES for flag in (False, True)]
-    configs += [("equal", mode, False) for mode in lk.AGG_MODES]
+    configs = [("unequal", mode, flag) for mode in AGG_MODES for flag in (False, True)]
+    configs += [("equal", mode, False) for mode in AGG_MODES]
     return configs
 
 
@@ -197,9 +198,9 @@ class AccumProbe(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
         self.data = accum_data()
-        self.logprobs = nn.ParameterList([nn.Parameter(self.data["logprob"].clone()) for _ in lk.AGG_MODES])
+        self.logprobs = nn.ParameterList([nn.Parameter(self.data["logprob"].clone()) for _ in AGG_MODES])
         self.losses = nn.ModuleList(
-            [lk.KLPenaltyLoss(GRAD_ESTIMATOR, coef=GRAD_COEF, agg=mode, global_batch=True) for mode in lk.AGG_MODES]
+            [lk.KLPenaltyLoss(GRAD_ESTIMATOR, coef=GRAD_COEF, agg=mode, global_batch=True) for mode in AGG_MODES]
         )
         self.record: dict[str, Any] = {"grads": []}
 

@@ -32,7 +32,7 @@ def micro_batch(rank: int, step: int, j: int) -> dict[str, Tensor]:
     mask = torch.arange(T).expand(len(lengths), T) < torch.tensor(lengths)[:, None]
     logprob = -torch.rand(len(lengths), T, generator=g) * 3
     # rank 1 drifted further from the reference: its local KL differs from the global one
-    ref = logprob - (0.2 + 0.4 * rank) * torch.randn(len(lengths), T, generator=g)
+    ref = (logprob - (0.2 + 0.4 * rank) * torch.randn(len(lengths), T, generator=g)).clamp(max=0.0)
     return {"logprob": logprob, "ref": torch.where(mask, ref, float("nan")), "mask": mask}
 
 
@@ -51,7 +51,7 @@ class Probe(pl.LightningModule):
         return torch.utils.data.DataLoader(data, batch_size=None)
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        logprob = batch["logprob"] + self.shift
+        logprob = (batch["logprob"] + self.shift).clamp(max=0.0)  # log-probs stay <= 0
         mask = batch["mask"]
         if batch_idx % ACCUM == 0:
             self.record["coefs"].append(self.kl.coef)

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 import lightning_kl as lk
+from lightning_kl.functional import AGG_MODES
 from _ddp import write_rank_record
 from _trainers import make_quiet_trainer
 
@@ -49,8 +50,8 @@ COEF = 0.5
 #   "totals": the batch split into two halves, each given the step's totals (lk.step_totals);
 #   "hidden": the policy's log-probs (or 'full': both models' logits) from the hidden states and the LM head
 CONFIGS: list[tuple[str, str, str, str]] = (
-    [("k3+", agg, "token", "on") for agg in lk.AGG_MODES]
-    + [("k2", agg, "sequence", "off") for agg in lk.AGG_MODES if agg != "seq-mean-token-mean"]
+    [("k3+", agg, "token", "on") for agg in AGG_MODES]
+    + [("k2", agg, "sequence", "off") for agg in AGG_MODES if agg != "seq-mean-token-mean"]
     + [
         ("k1", "token-sum", "token", "cap"),
         ("k3+", "token-mean", "token", "totals"),

@@ -204,13 +204,13 @@ def run_checks(rank: int, errors: dict[str, float], raised: dict[str, str]) -> N
             leaves[0], lk.VocabShard(leaves[1], group, offset), leaves[3], lk.VocabShard(leaves[4], group, offset), mask,
             bias=leaves[2], ref_bias=rbias[rows], temperature=temperature, chunk_size=chunk,
         )
-        loss_fn = lk.KLPenaltyLoss("full", agg="token-mean", temperature=temperature)
+        loss_fn = lk.KLPenaltyLoss("full", agg="token-mean", sampling=lk.Sampling(temperature=temperature))
         loss = (kl * weights).sum() + loss_fn(lk.FromHidden(leaves[0], lk.VocabShard(leaves[1], group, offset), leaves[2]),
                                               lk.FromHidden(leaves[3], lk.VocabShard(leaves[4], group, offset), rbias[rows]), mask)
         loss.backward()
         ref_leaves = [x.clone().requires_grad_() for x in (hp, w, bias, hr, wr)]
         ref = lk.full_kl_from_hidden(ref_leaves[0], ref_leaves[1], ref_leaves[3], ref_leaves[4], mask, bias=ref_leaves[2], ref_bias=rbias, temperature=temperature)
-        ref_fn = lk.KLPenaltyLoss("full", agg="token-mean", temperature=temperature)
+        ref_fn = lk.KLPenaltyLoss("full", agg="token-mean", sampling=lk.Sampling(temperature=temperature))
         ref_loss = (ref * weights).sum() + ref_fn(lk.FromHidden(ref_leaves[0], ref_leaves[1], ref_leaves[2]), lk.FromHidden(ref_leaves[3], ref_leaves[4], rbias), mask)
         ref_loss.backward()
         tag = f"hidden_full_kl_T{temperature}_chunk{chunk}"

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from torch.testing import assert_close
 
 import lightning_kl as lk
+from lightning_kl.functional import AGG_MODES
 
 K = 4
 T = 5
@@ -43,8 +44,8 @@ class Accumulator(pl.LightningModule):
         super().__init__()
         self.data = step_data()
         self.with_totals = with_totals
-        self.logprobs = nn.ParameterList([nn.Parameter(self.data["logprob"].clone()) for _ in lk.AGG_MODES])
-        self.losses = nn.ModuleList([lk.KLPenaltyLoss(ESTIMATOR, coef=0.5, agg=mode) for mode in lk.AGG_MODES])
+        self.logprobs = nn.ParameterList([nn.Parameter(self.data["logprob"].clone()) for _ in AGG_MODES])
+        self.losses = nn.ModuleList([lk.KLPenaltyLoss(ESTIMATOR, coef=0.5, agg=mode) for mode in AGG_MODES])
         self.grads: list[list[Tensor]] = []
 
     def train_dataloader(self) -> Any:
@@ -77,7 +78,7 @@ def _fit(model: pl.LightningModule, quiet_trainer: Any) -> None:
 def big_batch_grads() -> list[Tensor]:
     data = step_data()
     grads = []
-    for mode in lk.AGG_MODES:
+    for mode in AGG_MODES:
         logprob = data["logprob"].clone().requires_grad_()
         lk.KLPenaltyLoss(ESTIMATOR, coef=0.5, agg=mode)(logprob, data["ref_logprob"], data["mask"]).backward()
         grads.append(logprob.grad)
@@ -88,7 +89,7 @@ def test_accumulated_gradient_is_the_big_batch_gradient_in_every_mode(quiet_trai
     model = Accumulator()
     _fit(model, quiet_trainer)
     assert len(model.grads) == 1  # one optimizer step over the 4 micro-batches
-    for mode, got, want in zip(lk.AGG_MODES, model.grads[0], big_batch_grads()):
+    for mode, got, want in zip(AGG_MODES, model.grads[0], big_batch_grads()):
         assert_close(got, want, rtol=0, atol=1e-12, msg=lambda m, mode=mode: f"{mode}: {m}")
     # the metric fed by the losses is the token-mean of the step's batch, too
     data = step_data()
@@ -105,7 +106,7 @@ def test_without_totals_it_warns_once_and_weighs_micro_batches_equally(quiet_tra
     # and once for each of the two seq-mean modes, which need num_seqs
     assert sum("got no `num_seqs`" in str(w.message) for w in record) == 2
     # token-mean: the mean over micro-batches of each one's token-mean, not the big batch's
-    token_mean = lk.AGG_MODES.index("token-mean")
+    token_mean = AGG_MODES.index("token-mean")
     assert not torch.allclose(model.grads[0][token_mean], big_batch_grads()[token_mean])
 
 

@@ -7,6 +7,7 @@ import torch
 from torch.testing import assert_close
 
 import lightning_kl as lk
+from lightning_kl.functional import AGG_MODES
 
 
 def loop_reference(values: torch.Tensor, mask: torch.Tensor, mode: str, norm=None) -> float:
@@ -38,7 +39,7 @@ def batch():
     return values, mask
 
 
-@pytest.mark.parametrize("mode", lk.AGG_MODES)
+@pytest.mark.parametrize("mode", AGG_MODES)
 def test_modes_match_loops(mode, batch):
     values, mask = batch
     got = lk.aggregate(values, mask, mode)
@@ -54,7 +55,7 @@ def test_sum_norm_uses_the_constant(batch):
     assert_close(got.item(), loop_reference(values, mask, "seq-mean-token-sum-norm", norm=512))
 
 
-@pytest.mark.parametrize("mode", lk.AGG_MODES)
+@pytest.mark.parametrize("mode", AGG_MODES)
 def test_junk_at_padding_never_reaches_result_or_gradient(mode, batch):
     values, mask = batch
     clean = values.clone().requires_grad_()
@@ -73,7 +74,7 @@ def test_junk_at_padding_never_reaches_result_or_gradient(mode, batch):
     assert (dirty.grad[~mask] == 0).all()
 
 
-@pytest.mark.parametrize("mode", lk.AGG_MODES)
+@pytest.mark.parametrize("mode", AGG_MODES)
 def test_fully_padded_batch_gives_zero_and_zero_gradient(mode):
     values = torch.full((2, 5), float("nan"), requires_grad=True)
     out = lk.aggregate(values, torch.zeros(2, 5, dtype=torch.bool), mode)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import lightning_kl as lk
+from lightning_kl.estimators import ESTIMATORS, SAMPLED_ESTIMATORS
 
 # the example's dataset has a length on purpose and is read in-process: Lightning's warning about it does not apply
 pytestmark = pytest.mark.filterwarnings("ignore:Your `IterableDataset` has `__len__` defined")
@@ -135,7 +136,7 @@ class _Moved(toy.ToyRLHF):
         self.start = _params(self.policy)
 
 
-@pytest.mark.parametrize("estimator", lk.ESTIMATORS)
+@pytest.mark.parametrize("estimator", ESTIMATORS)
 def test_every_estimator_trains_one_step_in_the_loss(estimator: str, quiet_trainer, cache_dir: str):
     module = _Moved(**TINY_MODEL, cache_dir=cache_dir, kl_estimator=estimator, kl_coef=1.0)
     trainer = quiet_trainer(fast_dev_run=1)
@@ -158,7 +159,7 @@ def test_the_sequence_level_trains_one_step_in_the_loss(estimator: str, quiet_tr
     assert not torch.equal(_params(module.policy), module.start)
 
 
-@pytest.mark.parametrize("estimator", lk.SAMPLED_ESTIMATORS)  # `full` needs logits, which the batch lacks
+@pytest.mark.parametrize("estimator", SAMPLED_ESTIMATORS)  # `full` needs logits, which the batch lacks
 def test_every_sampled_estimator_trains_one_step_in_the_reward(estimator: str, quiet_trainer, cache_dir: str):
     module = _Moved(**TINY_MODEL, cache_dir=cache_dir, kl_estimator=None, advantage="rtg", ppo_epochs=2)
     callback = lk.KLRewardCallback(estimator, lk.AdaptiveKLController(0.1, target_kl=1e-6, horizon=100))

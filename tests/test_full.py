@@ -14,6 +14,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, Dataset
 
 import lightning_kl as lk
+from lightning_kl.functional import AGG_MODES
+from lightning_kl.estimators import ESTIMATORS, EstimatorSpec, SAMPLED_ESTIMATORS, parse_estimator
 from lightning_kl.kernels.full import full_kl
 
 # gradients toward the reference are checked here on purpose: its warning is expected
@@ -43,11 +45,11 @@ def logits(*shape: int, seed: int = 0, scale: float = 3.0) -> torch.Tensor:
 
 
 def test_names():
-    assert "full" in lk.ESTIMATORS and "full" not in lk.SAMPLED_ESTIMATORS
-    assert set(lk.ESTIMATORS) == set(lk.SAMPLED_ESTIMATORS) | {"full"}
-    assert lk.parse_estimator("full") == lk.EstimatorSpec("full", "full", False)
+    assert "full" in ESTIMATORS and "full" not in SAMPLED_ESTIMATORS
+    assert set(ESTIMATORS) == set(SAMPLED_ESTIMATORS) | {"full"}
+    assert parse_estimator("full") == EstimatorSpec("full", "full", False)
     with pytest.raises(ValueError, match="already the exact gradient"):
-        lk.parse_estimator("full+")
+        parse_estimator("full+")
     with pytest.raises(ValueError, match="already the exact gradient"):
         lk.KLPenaltyLoss("full+")
 
@@ -60,7 +62,7 @@ def test_library_matches_autograd_of_the_definition(temperature):
     w = logits(4, seed=2, scale=1.0)
     mask = torch.tensor([True, False, True, True])
     z, zr = z64.clone().requires_grad_(), zr64.clone().requires_grad_()
-    kl = lk.kl_penalty(z, zr, "full", mask=mask, temperature=temperature)
+    kl = lk.kl_penalty(z, zr, "full", mask=mask, sampling=lk.Sampling(temperature=temperature))
     (kl * w).sum().backward()
     y, yr = z64.clone().requires_grad_(), zr64.clone().requires_grad_()
     logp, logq = torch.log_softmax(y / temperature, -1), torch.log_softmax(yr / temperature, -1)
@@ -90,7 +92,7 @@ def test_values_and_gradients_match_float64(shape, temperature, chunk_size):
 
 def test_float64_inputs_are_computed_in_float64():
     z, zr = logits(5, 9).requires_grad_(), logits(5, 9, seed=1)
-    kl = lk.kl_penalty(z, zr, "full", temperature=1.3)
+    kl = lk.kl_penalty(z, zr, "full", mask=torch.ones(5, dtype=torch.bool), sampling=lk.Sampling(temperature=1.3))
     assert kl.dtype == F64
     kl.sum().backward()
     want, grad_z, _ = reference(z.detach(), zr, 1.3)
@@ -120,7 +122,7 @@ def test_mask_zeroes_value_and_gradient_whatever_the_padding_holds(chunk_size, m
     junk = torch.tensor([float("nan"), float("inf"), float("-inf"), -1e30, 1e30, 0.0])
     z[~mask], zr[~mask] = junk, junk.flip(0)
     z.requires_grad_(), zr.requires_grad_()
-    kl = lk.kl_penalty(z, zr, "full", mask=mask.to(mask_dtype), temperature=0.8)
+    kl = lk.kl_penalty(z, zr, "full", mask=mask.to(mask_dtype), sampling=lk.Sampling(temperature=0.8))
     kl.sum().backward()
     want, grad_z, grad_zr = reference(z64[mask], zr64[mask], 0.8)
     assert torch.equal(kl[~mask], torch.zeros(int((~mask).sum())))
@@ -157,7 +159,7 @@ def test_half_precision_is_accumulated_in_float32(dtype):
     kl32 = full_kl(z, zr, chunk_size=4)  # float32: within float32 precision of the exact answer
     assert kl32.dtype == torch.float32
     assert_close(kl32.double(), want, rtol=1e-5, atol=1e-5)
-    kl = lk.kl_penalty(z, zr, "full")  # like the sampled estimators: cast back to the input dtype
+    kl = lk.kl_penalty(z, zr, "full", mask=torch.ones(6, dtype=torch.bool))  # like the sampled estimators: cast back to the input dtype
     assert kl.dtype == dtype
     kl.float().sum().backward()
     assert z.grad.dtype == dtype and zr.grad.dtype == dtype
@@ -245,28 +247,26 @@ def test_errors():
         lk.kl_penalty(z.long(), z, "full")
     for bad in (0, -1.0, float("nan"), float("inf"), True, "1"):
         with pytest.raises(ValueError, match="temperature"):
-            lk.kl_penalty(z, z, "full", temperature=bad)
-        with pytest.raises(ValueError, match="temperature"):
-            lk.KLPenaltyLoss("full", temperature=bad)
+            lk.kl_penalty(z, z, "full", sampling=lk.Sampling(temperature=bad))
     # sampled estimators take log-probs at the sampling temperature already
-    with pytest.raises(ValueError, match=r"'full' estimator \(logits\) only, got 0.7 with 'k3\+'"):
-        lk.kl_penalty(torch.zeros(3), torch.zeros(3), "k3+", temperature=0.7)
-    with pytest.raises(ValueError, match=r"'full' estimator \(logits\) only, got 0.7 with 'k1'"):
-        lk.KLPenaltyLoss("k1", temperature=0.7)
+    with pytest.raises(ValueError, match=r"'full' estimator \(logits\) only, got Sampling\(temperature=0.7.* with 'k3\+'"):
+        lk.kl_penalty(torch.zeros(3), torch.zeros(3), "k3+", sampling=lk.Sampling(temperature=0.7))
+    with pytest.raises(ValueError, match=r"'full' estimator \(logits\) only, got Sampling\(temperature=0.7.* with 'k1'"):
+        lk.KLPenaltyLoss("k1", sampling=lk.Sampling(temperature=0.7))
     with pytest.raises(ValueError, match="chunk_size"):
         full_kl(z, z, chunk_size=0)
     with pytest.raises(ValueError, match="cannot use the 'full' estimator.*'k1'"):
         lk.KLRewardCallback("full")
 
 
-@pytest.mark.parametrize("agg", lk.AGG_MODES)
+@pytest.mark.parametrize("agg", AGG_MODES)
 def test_loss_aggregates_the_exact_kl_with_the_mask(agg):
     z64, zr64 = logits(3, 4, 6), logits(3, 4, 6, seed=1)
     mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]], dtype=torch.bool)
     z, zr = z64.float(), zr64.float()
     z[~mask] = float("nan")
     z.requires_grad_()
-    loss_fn = lk.KLPenaltyLoss("full", coef=0.5, agg=agg, temperature=0.9)
+    loss_fn = lk.KLPenaltyLoss("full", coef=0.5, agg=agg, sampling=lk.Sampling(temperature=0.9))
     loss = loss_fn(z, zr, mask)
     want, _, _ = reference(z64, zr64, 0.9)
     assert_close(loss.double(), 0.5 * lk.aggregate(want, mask, agg), rtol=1e-5, atol=1e-6)
@@ -307,7 +307,7 @@ class _TinyLM(pl.LightningModule):
         torch.manual_seed(0)
         self.policy = nn.Sequential(nn.Embedding(vocab, 8), nn.Linear(8, vocab))
         self.ref = nn.Sequential(nn.Embedding(vocab, 8), nn.Linear(8, vocab)).requires_grad_(False)
-        self.kl = lk.KLPenaltyLoss("full", coef=1.0, agg="seq-mean-token-mean", temperature=0.7)
+        self.kl = lk.KLPenaltyLoss("full", coef=1.0, agg="seq-mean-token-mean", sampling=lk.Sampling(temperature=0.7))
         self.losses: list[float] = []
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:

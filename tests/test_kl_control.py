@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from torch.testing import assert_close
 
 import lightning_kl as lk
+from lightning_kl.functional import AGG_MODES
 from _ddp import run_ddp_worker
 from _trainers import make_quiet_trainer
 
@@ -189,7 +190,7 @@ def _batch(seed: int, b: int = 4, t: int = 6, lengths: Optional[tuple[int, ...]]
     lengths = lengths if lengths is not None else tuple(torch.randint(0, t + 1, (b,), generator=g).tolist())
     mask = torch.arange(t).expand(len(lengths), t) < torch.tensor(lengths)[:, None]
     logprob = -torch.rand(len(lengths), t, generator=g) * 3
-    ref = logprob - 0.3 * torch.randn(len(lengths), t, generator=g)
+    ref = (logprob - 0.3 * torch.randn(len(lengths), t, generator=g)).clamp(max=0.0)  # log-probs: <= 0
     return {"logprob": logprob, "ref": torch.where(mask, ref, float("nan")), "mask": mask}
 
 
@@ -214,7 +215,7 @@ def step_stats(batches: list[dict[str, Tensor]], agg: str, estimator: str = "k3"
     return total, count, seqs
 
 
-@pytest.mark.parametrize("agg", lk.AGG_MODES)
+@pytest.mark.parametrize("agg", AGG_MODES)
 def test_update_coef_closes_the_step_from_its_micro_batches_in_the_units_of_agg(agg):
     ctl = lk.TargetKLController(target_kl=0.05, init_kl_coef=0.2, step_size=0.4)
     loss = lk.KLPenaltyLoss("k3+", coef=ctl, agg=agg)
@@ -328,7 +329,7 @@ class Controlled(pl.LightningModule):
         return torch.utils.data.DataLoader(with_totals([loop_batch(i) for i in range(STEPS * ACCUM)]), batch_size=None)
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        logprob = batch["logprob"] + self.shift
+        logprob = (batch["logprob"] + self.shift).clamp(max=0.0)  # log-probs stay <= 0 as the pull raises them
         self.seen.append((self.trainer.global_step, self.kl.coef, {**batch, "logprob": logprob.detach()}))
         self.seen[-1][2].pop("num_tokens"), self.seen[-1][2].pop("num_seqs")
         pull = -(logprob * batch["mask"]).sum() / batch["mask"].sum().clamp(min=1)  # away from the reference
@@ -438,7 +439,7 @@ def test_a_non_finite_global_kl_is_raised_from_fit_and_leaves_the_coefficient(tm
     class Poisoned(Controlled):
         def train_dataloader(self) -> Any:
             batches = with_totals([loop_batch(i) for i in range(2 * ACCUM)])
-            batches[2]["ref"][0, 0] = float("inf")  # a valid position of step 1: its KL is inf
+            batches[2]["ref"][0, 0] = float("-inf")  # a valid position of step 1: d = +inf, its KL is inf
             return torch.utils.data.DataLoader(batches, batch_size=None)
 
     model = Poisoned(lk.TargetKLController(target_kl=0.05, init_kl_coef=0.3, step_size=0.5))

@@ -532,10 +532,10 @@ def test_full_from_hidden_equals_full_of_the_logits_and_reads_layouts():
 def test_loss_takes_hidden_states_for_full():
     (h, w, b), (hr, wr, br) = make_head((2, 5), 4, 11, torch.float32, seed=28), make_head((2, 5), 4, 11, torch.float32, seed=29)
     mask = torch.tensor([[True, True, False, True, True], [True, False, False, True, True]])
-    loss_fn = lk.KLPenaltyLoss("full", coef=0.2, agg="seq-mean-token-sum", temperature=0.8)
+    loss_fn = lk.KLPenaltyLoss("full", coef=0.2, agg="seq-mean-token-sum", sampling=lk.Sampling(temperature=0.8))
     w1, w2 = w.clone().requires_grad_(), w.clone().requires_grad_()
     a = loss_fn(lk.FromHidden(h, w1, b), lk.FromHidden(hr, wr, br), mask)
-    b_ = lk.KLPenaltyLoss("full", coef=0.2, agg="seq-mean-token-sum", temperature=0.8)(F.linear(h, w2, b), F.linear(hr, wr, br), mask)
+    b_ = lk.KLPenaltyLoss("full", coef=0.2, agg="seq-mean-token-sum", sampling=lk.Sampling(temperature=0.8))(F.linear(h, w2, b), F.linear(hr, wr, br), mask)
     torch.testing.assert_close(a, b_)
     a.backward()
     b_.backward()

@@ -47,7 +47,7 @@ WEIGHTED_K3_RTOL = 1e-8
 def _pair(d: Tensor, seed: int = 0) -> tuple[Tensor, Tensor]:
     """Policy and reference log-probs with ``logprob - ref_logprob = d``."""
     g = torch.Generator().manual_seed(seed)
-    lp = -3.0 * torch.rand(d.shape, generator=g, dtype=torch.float64)
+    lp = -3.0 * torch.rand(d.shape, generator=g, dtype=torch.float64) - (-d).clamp(min=0)  # both <= 0
     return lp, lp - d
 
 
@@ -169,6 +169,8 @@ def _batch(b: int = 5, t: int = 7, seed: int = 1, spread: float = 1.5) -> tuple[
     g = torch.Generator().manual_seed(seed)
     lp = -3.0 * torch.rand(b, t, generator=g, dtype=torch.float64)
     ref = lp - spread * torch.randn(b, t, generator=g, dtype=torch.float64)
+    shift = ref.max().clamp(min=0)  # log-probs: both <= 0
+    lp, ref = lp - shift, ref - shift
     lengths = torch.randint(1, t + 1, (b,), generator=g)
     mask = torch.arange(t) < lengths[:, None]
     return lp, ref, mask
@@ -279,7 +281,7 @@ def test_trl_use_bias_correction_kl_is_our_k3_with_old_logprob(on_policy: bool) 
             lp, ref, inside, WEIGHTED_K3_RTOL,
         )  # fmt: skip
     else:
-        old = lp + 0.3 * torch.randn(lp.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+        old = (lp + 0.3 * torch.randn(lp.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)).clamp(max=0)
         _assert_same(
             lambda a, b: lk.kl_penalty(a, b, "k3", old_logprob=old),
             lambda a, b: trl_grpo_kl_reference(a, b, torch.exp(a - old)),
@@ -519,7 +521,7 @@ def _ours_detached(name: str) -> Callable[[Tensor, Tensor], Tensor]:
 def test_nemo_on_policy_kl_approximation_is_our_old_logprob() -> None:
     # use_on_policy_kl_approximation: weight exp(logprob - generation_logprobs), differentiable
     lp, ref = _pair(D)
-    gen = lp + 0.3 * torch.randn(lp.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    gen = (lp + 0.3 * torch.randn(lp.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)).clamp(max=0)
     inside = D.abs() < 20
     _assert_same(
         lambda a, b: lk.kl_penalty(a, b, "k3", old_logprob=gen),
@@ -597,7 +599,7 @@ def test_slime_names_are_ours(name: str, limit: float) -> None:
 
 def test_slime_unbiased_kl_is_our_old_logprob_for_k1_and_k3_not_k2() -> None:
     lp, ref = _pair(D)
-    old = lp + 0.3 * torch.randn(lp.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    old = (lp + 0.3 * torch.randn(lp.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64)).clamp(max=0)
     inside = D.abs() < 20
     for name in ("k1", "k3"):
         theirs = lambda a, b, n=name: slime_reference(a, b, n, torch.exp(a - old))  # noqa: E731

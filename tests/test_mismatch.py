@@ -441,7 +441,7 @@ def test_hf_mismatch_example_parses_its_engine_and_correction(tmp_path: Any, mon
     monkeypatch.setattr(sys, "argv", ["hf_mismatch.py"])  # LightningCLI reads args=, not pytest's argv
 
     config = Path(__file__).resolve().parent.parent / "examples" / "configs" / "hf_grpo_lora.yaml"
-    base = ["--config", str(config), "--trainer.logger=false", f"--model.cache_dir={tmp_path}", "--data.top_p=1.0"]
+    base = ["--config", str(config), "--trainer.logger=false", f"--model.cache_dir={tmp_path}", "--data.sampling.top_p=1.0"]
     cli = ex.main([*base, "--data.engine=stale", "--data.engine_lag=2", "--model.correction=seq_tis"], run=False)
     assert (cli.datamodule.engine, cli.datamodule.engine_lag) == ("stale", 2)
     assert (cli.model.correction.weights, cli.model.correction.upper) == ("sequence", 2.0)

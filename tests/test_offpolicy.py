@@ -21,10 +21,10 @@ import torch
 from torch.testing import assert_close
 
 import lightning_kl as lk
-from lightning_kl.estimators import estimator_value, parse_estimator
+from lightning_kl.estimators import SAMPLED_ESTIMATORS, estimator_value, parse_estimator
 
 V = 6
-SAMPLED = getattr(lk, "SAMPLED_ESTIMATORS", lk.ESTIMATORS)  # 'full' takes logits, not sampled log-probs
+SAMPLED = SAMPLED_ESTIMATORS  # 'full' takes logits, not sampled log-probs
 PLUS = [name for name in SAMPLED if name.endswith("+")]
 EXACT_GRADIENT = ["k1", "kl", "k3", "k2", "mse", *PLUS]  # expected gradient = grad KL (with weights)
 UNBIASED_VALUE = ["k1", "kl", "k3", "k1+", "kl+", "k3+"]  # expected value = KL

@@ -25,9 +25,10 @@ import torch
 from torch.testing import assert_close
 
 import lightning_kl as lk
+from lightning_kl.estimators import SAMPLED_ESTIMATORS
 
 V, L = 5, 3
-SAMPLED = list(lk.SAMPLED_ESTIMATORS)
+SAMPLED = list(SAMPLED_ESTIMATORS)
 PLUS = [n for n in SAMPLED if n.endswith("+")]
 TOKEN_EXACT = ["k2", "mse", *PLUS]
 WEIGHTED_EXACT = ["k1", "kl", "k3", *TOKEN_EXACT]

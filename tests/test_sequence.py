@@ -30,10 +30,12 @@ from torch.testing import assert_close
 from torch.utils.data import DataLoader
 
 import lightning_kl as lk
+from lightning_kl.sequence import LEVELS
+from lightning_kl.estimators import SAMPLED_ESTIMATORS, parse_estimator
 from _trainers import QUIET
 
 V, T, EOS = 3, 4, 0
-SAMPLED = list(lk.SAMPLED_ESTIMATORS)
+SAMPLED = list(SAMPLED_ESTIMATORS)
 PLUS = [n for n in SAMPLED if n.endswith("+")]
 TOKEN_EXACT = ["k2", "mse", *PLUS]  # exact gradient on-policy, no weights
 WEIGHTED_EXACT = ["k1", "kl", "k3", *TOKEN_EXACT]  # exact gradient with old_logprob (differentiable weight for k1, k3)
@@ -381,7 +383,7 @@ def test_bad_level_fails_with_the_valid_ones():
         lk.kl_penalty(lp, lp, "k3+", level="seq")
     with pytest.raises(ValueError, match=r"Unknown KL level 'Sequence'.*'token', 'sequence'"):
         lk.KLPenaltyLoss("k3+", level="Sequence")
-    assert lk.LEVELS == ("token", "sequence")
+    assert LEVELS == ("token", "sequence")
     with pytest.raises(ValueError, match=r"Unknown KL level None"):
         lk.KLPenaltyLoss("k3+", level=None)
 
@@ -443,8 +445,8 @@ def test_full_sequence_through_the_loss_and_its_errors(pol):
 
 def test_loss_is_coef_times_aggregate_of_the_functional():
     g = torch.Generator().manual_seed(0)
-    lp = torch.randn(4, 6, generator=g, dtype=torch.float64).requires_grad_()
-    ref, old = torch.randn(4, 6, generator=g, dtype=torch.float64), torch.randn(4, 6, generator=g, dtype=torch.float64)
+    lp = (torch.randn(4, 6, generator=g, dtype=torch.float64) - 6).requires_grad_()
+    ref, old = torch.randn(4, 6, generator=g, dtype=torch.float64) - 6, torch.randn(4, 6, generator=g, dtype=torch.float64) - 6
     mask = torch.rand(4, 6, generator=g) > 0.3
     loss_fn = lk.KLPenaltyLoss("k3+", coef=0.5, agg="seq-mean-token-sum", level="sequence", max_weight=2.0)
     assert "level='sequence'" in repr(loss_fn)
@@ -591,13 +593,13 @@ def test_fused_kernel_path_gives_the_compositions_result(name, monkeypatch):
 
     g = torch.Generator().manual_seed(0)
     shape = (3, 40_000)  # above one chunk: the fused kernel serves the token-level value
-    lp0 = torch.randn(shape, generator=g) - 1
+    lp0 = -3 * torch.rand(shape, generator=g) - 3
     ref, old = lp0 + 0.3 * torch.randn(shape, generator=g), lp0 + 0.2 * torch.randn(shape, generator=g)
     mask = torch.rand(shape, generator=g) > 0.2
     results = []
     for enabled in (True, False):
         monkeypatch.setattr(fused, "ENABLED", enabled)
-        assert fused.use_fused(lk.parse_estimator(name), lp0) == enabled
+        assert fused.use_fused(parse_estimator(name), lp0) == enabled
         lp = lp0.clone().requires_grad_()
         out = lk.kl_penalty(lp, ref, name, mask=mask, old_logprob=old, level="sequence", max_weight=5.0)
         (grad,) = torch.autograd.grad(lk.aggregate(out, mask, "seq-mean-token-sum"), lp)
@@ -611,6 +613,7 @@ def test_half_precision_is_computed_in_float32(dtype):
     g = torch.Generator().manual_seed(1)
     lp32 = torch.randn(3, 9, generator=g) - 1
     ref32, old32 = lp32 + 0.3 * torch.randn(3, 9, generator=g), lp32 + 0.2 * torch.randn(3, 9, generator=g)
+    lp32, ref32, old32 = (x - 3 for x in (lp32, ref32, old32))  # log-probs: every one <= 0
     mask = torch.rand(3, 9, generator=g) > 0.2
     lp16, ref16, old16 = (x.to(dtype) for x in (lp32, ref32, old32))
     results = []

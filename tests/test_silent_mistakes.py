@@ -27,6 +27,9 @@ from torch import Tensor, nn
 from torch.testing import assert_close
 
 import lightning_kl as lk
+from lightning_kl.sequence import LEVELS
+from lightning_kl.functional import AGG_MODES
+from lightning_kl.estimators import ESTIMATORS, SAMPLED_ESTIMATORS
 from lightning_kl.ground.checks import check_mask
 
 F64 = torch.float64
@@ -57,12 +60,12 @@ def test_the_loss_reads_the_trainers_accumulation_and_the_totals_alone_are_exact
         warnings.filterwarnings("error", message="KLPenaltyLoss")
         quiet_trainer(max_epochs=1, accumulate_grad_batches=K).fit(model)
     assert len(model.grads) == 1
-    for mode, got, want in zip(lk.AGG_MODES, model.grads[0], big_batch_grads()):
+    for mode, got, want in zip(AGG_MODES, model.grads[0], big_batch_grads()):
         # without k the loss would be k times too small in every mode
         assert_close(got, want, rtol=0, atol=1e-12, msg=lambda m, mode=mode: f"{mode}: {m}")
     # the loss remembers the module it found, weakly: it still pickles and copies (without it)
     for clone in (pickle.loads(pickle.dumps(model.losses[0])), copy.deepcopy(model.losses[0])):
-        assert clone(torch.zeros(2, 3), torch.ones(2, 3)).item() == pytest.approx(0.5 * (math.e - 2), rel=1e-6)  # k3(-1)
+        assert clone(-torch.ones(2, 3), torch.zeros(2, 3)).item() == pytest.approx(0.5 * (math.e - 2), rel=1e-6)  # k3(-1)
 
 
 def test_forgetting_the_recipe_under_accumulation_is_warned_once_per_mode(quiet_trainer: Any) -> None:
@@ -75,7 +78,7 @@ def test_forgetting_the_recipe_under_accumulation_is_warned_once_per_mode(quiet_
     # and outside a Trainer nothing is looked up or warned: k = 1
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        lk.KLPenaltyLoss("k3+")(torch.zeros(2, 3), torch.ones(2, 3))
+        lk.KLPenaltyLoss("k3+")(-torch.ones(2, 3), torch.zeros(2, 3))
 
 
 def test_without_the_totals_the_gradient_is_lightnings_average_of_the_micro_batches(quiet_trainer: Any) -> None:
@@ -101,9 +104,9 @@ def test_without_the_totals_the_gradient_is_lightnings_average_of_the_micro_batc
         want["token-mean"][r] = g[r] / n_tok / K
         want["seq-mean-token-sum"][r] = g[r] / n_seq / K
         want["seq-mean-token-mean"][r] = g[r] / lengths[r].clamp(min=1) / n_seq / K
-    big = dict(zip(lk.AGG_MODES, big_batch_grads()))
+    big = dict(zip(AGG_MODES, big_batch_grads()))
     want["token-sum"], want["seq-mean-token-sum-norm"] = big["token-sum"], big["seq-mean-token-sum-norm"]
-    for mode, got in zip(lk.AGG_MODES, model.grads[0]):
+    for mode, got in zip(AGG_MODES, model.grads[0]):
         assert_close(got, want[mode], rtol=0, atol=1e-12, msg=lambda m, mode=mode: f"{mode}: {m}")
 
 
@@ -154,10 +157,12 @@ def test_logits_where_log_probs_belong_are_named_as_logits() -> None:
 
 def test_hidden_states_given_to_the_logits_functions_point_to_full_kl_from_hidden() -> None:
     h = lk.FromHidden(torch.randn(2, 3, 4), torch.randn(7, 4))
-    with pytest.raises(TypeError, match=r"got FromHidden\..*`lk.full_kl_from_hidden\(hidden, weight, ref_hidden"):
-        lk.kl_penalty(h, h, "full")
     with pytest.raises(TypeError, match=r"got FromHidden\..*`lk.full_kl_from_hidden"):
         lk.full_kl(h, h)
+    # kl_penalty("full") takes them, as the loss does
+    assert_close(lk.kl_penalty(h, h, "full"), torch.zeros(2, 3))
+    with pytest.raises(TypeError, match=r"FromHidden.*with one for each model"):
+        lk.kl_penalty(h, torch.randn(2, 3, 7), "full")
 
 
 def test_a_reference_that_requires_grad_is_warned_about_and_can_be_silenced() -> None:
@@ -173,8 +178,10 @@ def test_a_reference_that_requires_grad_is_warned_about_and_can_be_silenced() ->
         ("ref_hidden", lambda: lk.KLPenaltyLoss("full")(lk.FromHidden(hidden, w), lk.FromHidden(hidden.clone().requires_grad_(), w))),
     ]
     for name, call in cases:
-        with pytest.warns(UserWarning, match=f"`{name}` requires grad: the KL term would train the reference"):
+        with pytest.warns(UserWarning, match=f"`{name}` requires grad: the KL term would train the reference") as record:
             call()
+        # the warning's stack level: the user's line (the lambda's), through nn.Module's call frames too
+        assert (record[0].filename, record[0].lineno) == (__file__, call.__code__.co_firstlineno), name
         with warnings.catch_warnings():  # the documented way to say it is intended
             warnings.simplefilter("error")
             warnings.filterwarnings("ignore", message=f"`{name}` requires grad")
@@ -245,10 +252,10 @@ def _help(cls: type) -> str:
 def test_help_lists_every_valid_estimator_mode_and_level(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("COLUMNS", "100000")  # one line per option: no name cut at its hyphen
     loss_help = " ".join(_help(lk.KLPenaltyLoss).split())
-    for name in (*lk.ESTIMATORS, *lk.AGG_MODES, *lk.LEVELS):
+    for name in (*ESTIMATORS, *AGG_MODES, *LEVELS):
         assert repr(name) in loss_help, name
     callback_help = " ".join(_help(lk.KLRewardCallback).split())
-    assert all(repr(name) in callback_help for name in lk.SAMPLED_ESTIMATORS) and "'full'" not in callback_help
+    assert all(repr(name) in callback_help for name in SAMPLED_ESTIMATORS) and "'full'" not in callback_help
 
 
 class _Configured(pl.LightningModule):

@@ -66,10 +66,10 @@ def test_num_tokens_alone_is_the_token_mean_divisor() -> None:
     lp = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -1.0, -4.0]], dtype=F64)
     ref = torch.tensor([[-1.5, -1.0, -2.0], [-0.5, -2.0, -1.0]], dtype=F64)
     mask = torch.tensor([[True, True, False], [True, True, True]])
-    loss = lk.KLPenaltyLoss("k1", coef=0.5, agg="token-mean")(lp, ref, mask, num_tokens=20)
+    loss = lk.KLPenaltyLoss("k1", coef=0.5, agg="token-mean")(lp, ref, mask, num_tokens=20, accumulate_grad_batches=1)
     # k1 = d on the valid tokens: 0.5 - 1 + 0 + 1 - 3 = -2.5; 0.5 * -2.5 / 20
     assert loss.item() == pytest.approx(0.5 * -2.5 / 20, rel=1e-14)
-    loss = lk.KLPenaltyLoss("k1", coef=0.5, agg="seq-mean-token-sum")(lp, ref, mask, num_seqs=5)
+    loss = lk.KLPenaltyLoss("k1", coef=0.5, agg="seq-mean-token-sum")(lp, ref, mask, num_seqs=5, accumulate_grad_batches=1)
     assert loss.item() == pytest.approx(0.5 * -2.5 / 5, rel=1e-14)
 
 
@@ -86,7 +86,7 @@ def test_zero_micro_batches_is_refused_by_name() -> None:
         with pytest.raises(ValueError, match=r"^`accumulate_grad_batches` must be a positive integer"):
             check_accumulate_grad_batches(k)
     with pytest.raises(ValueError, match=r"^`accumulate_grad_batches` must be a positive integer.*got 0\.$"):
-        lk.KLPenaltyLoss("k3")(torch.zeros(2, 3), torch.ones(2, 3), accumulate_grad_batches=0)
+        lk.KLPenaltyLoss("k3")(-torch.ones(2, 3), torch.zeros(2, 3), accumulate_grad_batches=0)
 
 
 def test_metric_sums_each_batch_in_float64() -> None:
@@ -172,7 +172,7 @@ def test_infinite_num_tokens_is_refused() -> None:
         with pytest.raises(ValueError, match=rf"`{name}` must be a finite number >= 0 or a tensor, got inf"):
             lk.aggregate(v, **{name: math.inf})
     with pytest.raises(ValueError, match=r"`num_tokens` must be a finite number >= 0 or a tensor, got inf"):
-        lk.KLPenaltyLoss("k3")(v, v, num_tokens=math.inf)
+        lk.KLPenaltyLoss("k3")(-v, -v, num_tokens=math.inf)
 
 
 def test_full_from_hidden_refuses_reference_rows_in_another_layout() -> None:

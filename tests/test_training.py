@@ -19,12 +19,13 @@ from lightning.pytorch.cli import LightningCLI
 from torch.testing import assert_close
 
 import lightning_kl as lk
+from lightning_kl.estimators import SAMPLED_ESTIMATORS
 
 # the example's OnPolicyRollouts has a length on purpose (no prefetch): Lightning's remark about it is expected
 pytestmark = pytest.mark.filterwarnings("ignore:Your `IterableDataset` has `__len__` defined")
 
 ROOT = Path(__file__).resolve().parents[1]
-SAMPLED = getattr(lk, "SAMPLED_ESTIMATORS", lk.ESTIMATORS)
+SAMPLED = SAMPLED_ESTIMATORS
 
 
 def _load_minimal():

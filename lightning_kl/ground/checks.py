@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable
-from typing import Any, Literal, Optional, Union
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -18,12 +18,8 @@ from torch import Tensor
 from lightning_kl.ground.vocab_shards import VocabShard, check_split_alike, local_part
 
 __all__ = [
-    "AGG_MODES",
-    "AggMode",
     "HOST_READ_DEVICES",
-    "check_agg_mode",
     "check_chunk_size",
-    "check_count",
     "check_floating",
     "check_full_hidden_inputs",
     "check_full_inputs",
@@ -31,30 +27,15 @@ __all__ = [
     "check_mask",
     "check_mask_values",
     "check_matching",
-    "check_max_weight",
-    "check_sampled_temperature",
     "check_not_sharded",
     "check_temperature",
     "check_tokens",
     "check_values",
     "compute_dtype",
     "host_reads",
-    "reject_old_logprob",
     "warn_if_reference_requires_grad",
 ]
 
-#: The aggregation modes accepted by :func:`lightning_kl.aggregate` (verl's names and semantics).
-AGG_MODES: tuple[str, ...] = (
-    "token-mean",
-    "token-sum",
-    "seq-mean-token-sum",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum-norm",
-)
-
-#: The type of an ``agg`` argument: one of :data:`AGG_MODES`, listed by LightningCLI's ``--help``; any
-#: other string is refused when the object is built, by a message that lists the valid modes.
-AggMode = Union[Literal[AGG_MODES], str]  # type: ignore[valid-type]
 #: Device types on which the package reads tensor values on the host, where that waits for nothing
 #: (CPU): value checks (token ids in range) then name the bad value, and ``full_kl`` skips masked
 #: rows by an index list. On other devices nothing is read on the host per call: checks run on the
@@ -72,10 +53,11 @@ def host_reads(device: torch.device) -> bool:
 def check_values(bad: Tensor, host_error: Callable[[], Exception], rule: str) -> None:
     """Fail if any element of the bool tensor ``bad`` is True, without a host read off the CPU.
 
-    On :data:`HOST_READ_DEVICES` raises ``host_error()`` (an error that names the value); elsewhere
-    asserts ``not bad.any()`` on the device with the message ``rule`` (a ``RuntimeError`` on CPU).
+    On :data:`HOST_READ_DEVICES` raises ``host_error()`` (an error that names the value); elsewhere, and
+    inside ``torch.compile`` (where a host read would break the graph), asserts ``not bad.any()`` on the
+    device with the message ``rule`` (a ``RuntimeError`` on CPU).
     """
-    if host_reads(bad.device):
+    if host_reads(bad.device) and not torch.compiler.is_compiling():
         if bad.any():
             raise host_error()
     else:
@@ -183,12 +165,12 @@ def check_mask_values(mask: Tensor) -> Tensor:
     return mask != 0
 
 
-def warn_if_reference_requires_grad(name: str, reference: object) -> None:
+def warn_if_reference_requires_grad(name: str, reference: object, stacklevel: int = 4) -> None:
     """Warn if the reference carries a graph (Python's default filter shows it once per calling line).
 
     A ``ref_logprob`` that requires grad makes the KL term train the reference, or whatever computed
-    it (forgotten ``torch.no_grad()``, the adapters left on), and keeps its graph in memory. Where that
-    is intended: ``warnings.filterwarnings("ignore", message="`ref_logprob` requires grad")`` (or
+    it (forgotten ``torch.no_grad()``, the adapters left on), and keeps its graph in memory. ``stacklevel``
+    (Python's, counted from this function) points the warning at the user's call. Where that is intended: ``warnings.filterwarnings("ignore", message="`ref_logprob` requires grad")`` (or
     ``ref_logits``, ``ref_hidden``).
     """
     if isinstance(reference, Tensor) and reference.requires_grad:
@@ -198,11 +180,11 @@ def warn_if_reference_requires_grad(name: str, reference: object) -> None:
             f"`{name}.detach()`; if the reference is meant to train, silence this with "
             f"`warnings.filterwarnings('ignore', message='`{name}` requires grad')`.",
             UserWarning,
-            stacklevel=4,
+            stacklevel=stacklevel,
         )
 
 
-def check_full_inputs(logits: Any, ref_logits: Any, mask: Optional[Tensor]) -> Optional[Tensor]:
+def check_full_inputs(logits: Any, ref_logits: Any, mask: Optional[Tensor], stacklevel: int = 4) -> Optional[Tensor]:
     """Check ``logits``, ``ref_logits`` ``[..., V]`` and ``mask`` ``[...]``; return the mask as bool.
 
     Raises:
@@ -212,31 +194,11 @@ def check_full_inputs(logits: Any, ref_logits: Any, mask: Optional[Tensor]) -> O
     check_split_alike("logits", logits, "ref_logits", ref_logits)
     logits, ref_logits = local_part(logits), local_part(ref_logits)  # a vocabulary shard: its local part
     check_matching("logits", logits, "ref_logits", ref_logits)
-    warn_if_reference_requires_grad("ref_logits", ref_logits)
+    warn_if_reference_requires_grad("ref_logits", ref_logits, stacklevel)
     assert isinstance(logits, Tensor)
     if logits.ndim == 0:
         raise ValueError("'full' takes logits `[..., V]` with a vocabulary dimension, got a scalar.")
     return check_mask(mask, logits, "logits", without="the vocabulary dimension")
-
-
-def check_agg_mode(mode: object) -> str:
-    """Validate an aggregation mode name; raise ``ValueError`` listing the valid ones."""
-    if not isinstance(mode, str) or mode not in AGG_MODES:
-        valid = ", ".join(repr(m) for m in AGG_MODES)
-        raise ValueError(f"Unknown aggregation mode {mode!r}. Valid modes: {valid}.")
-    return mode
-
-
-def check_count(name: str, n: object) -> None:
-    """A divisor given in place of a batch's own count: ``None``, a number ``>= 0``, or a one-element tensor."""
-    if n is None:
-        return
-    if isinstance(n, Tensor):
-        if n.numel() != 1 or n.is_complex():
-            raise ValueError(f"`{name}` must be a number or a one-element tensor, got shape {tuple(n.shape)}.")
-        return  # its value is not read here: that would synchronize with the device
-    if isinstance(n, bool) or not isinstance(n, (int, float)) or not n >= 0 or n == float("inf"):
-        raise ValueError(f"`{name}` must be a finite number >= 0 or a tensor, got {n!r}.")
 
 
 def check_temperature(temperature: Any) -> float:
@@ -249,46 +211,6 @@ def check_temperature(temperature: Any) -> float:
     ):
         raise ValueError(f"`temperature` must be a finite number > 0, got {temperature!r}.")
     return float(temperature)
-
-
-def check_sampled_temperature(temperature: object, estimator: str) -> None:
-    """Sampled estimators take log-probs at the sampling temperature already: only T = 1 fits."""
-    if temperature != 1.0 or isinstance(temperature, bool):
-        raise ValueError(
-            f"`temperature` applies to the 'full' estimator (logits) only, got {temperature!r} with "
-            f"{estimator!r}: compute the sampled tokens' log-probs at the sampling temperature instead."
-        )
-
-
-def check_max_weight(max_weight: object) -> Optional[float]:
-    """Validate the importance weight cap: ``None``, or a finite real number ``>= 1``.
-
-    Raises:
-        ValueError: naming the bad value and the valid ones.
-    """
-    if max_weight is None:
-        return None
-    valid = isinstance(max_weight, (int, float)) and not isinstance(max_weight, bool)
-    if not valid or not math.isfinite(max_weight) or max_weight < 1:
-        raise ValueError(
-            "`max_weight` must be None (no truncation) or a finite number >= 1 (a cap below 1 would "
-            f"scale down on-policy tokens too, whose weight is 1), got {max_weight!r}."
-        )
-    return float(max_weight)
-
-
-def reject_old_logprob(old_logprob: Any) -> None:
-    """``full`` takes no ``old_logprob``: raise ``ValueError`` if one is given.
-
-    The exact KL sums over the whole vocabulary under the current policy; importance weights only
-    correct the sampling distribution of sampled tokens.
-    """
-    if old_logprob is not None:
-        raise ValueError(
-            "`old_logprob` does not apply to the 'full' estimator: it sums over the whole vocabulary under "
-            "the current policy, so it needs no importance weights (they correct sampled tokens drawn by an "
-            "older policy). Drop `old_logprob`, or use a sampled estimator."
-        )
 
 
 def check_tokens(
@@ -400,6 +322,7 @@ def check_full_hidden_inputs(
     ref_weight: Any,
     ref_bias: Any,
     mask: Optional[Tensor],
+    stacklevel: int = 4,
 ) -> Optional[Tensor]:
     """Check both heads (:func:`check_head`), that they make logits of one shape, and ``mask [...]``.
 
@@ -411,7 +334,7 @@ def check_full_hidden_inputs(
     """
     check_head(hidden, weight, bias)
     check_head(ref_hidden, ref_weight, ref_bias, prefix="ref_")
-    warn_if_reference_requires_grad("ref_hidden", ref_hidden)
+    warn_if_reference_requires_grad("ref_hidden", ref_hidden, stacklevel)
     lead, vocab = hidden.shape[:-1], weight.shape[0]
     if ref_hidden.shape[:-1] != lead or ref_weight.shape[0] != vocab:
         raise ValueError(
