@@ -41,7 +41,6 @@ def _child(args: argparse.Namespace) -> None:
     import torch
 
     import lightning_kl as lk
-    from lightning_kl.kernels.full import full_kl
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -59,7 +58,7 @@ def _child(args: argparse.Namespace) -> None:
     def full() -> torch.Tensor:
         if args.chunk is None:
             return lk.kl_penalty(z, z_ref, "full", temperature=temperature)
-        return full_kl(z, z_ref, temperature=temperature, chunk_size=args.chunk)
+        return lk.full_kl(z, z_ref, sampling=lk.Sampling(temperature), chunk_size=args.chunk)
 
     fn = composition if args.child == "composition" else full
 

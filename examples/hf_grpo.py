@@ -278,13 +278,13 @@ class ArithmeticDataModule(pl.LightningDataModule):
         # softmax, and of the processed policy against the reference's softmax and on its kept set
         kl_full = lk.kl_penalty(logits, ref_logits, "full", mask=mask, temperature=h.temperature)
         kl_processed, kl_policy_kept = (
-            lk.processed_full_kl(logits, ref_logits, mask, temperature=h.temperature, reference=r, **self.processing)
+            lk.full_kl(logits, ref_logits, mask, sampling=lk.Sampling(h.temperature, **self.processing), reference=r)
             for r in ("unprocessed", "policy_kept")
         )
         # importance ratios of the scorer against the sampler, full softmax and processed
         tokens = seq[:, p:].masked_fill(~mask, -100)
-        full_lp = lk.token_logprobs(logits, tokens, h.temperature, ignore_index=-100)
-        proc_lp = lk.processed_logprobs(logits, tokens, h.temperature, ignore_index=-100, **self.processing).logprobs
+        full_lp = lk.token_logprobs(logits, tokens, sampling=lk.Sampling(h.temperature), ignore_index=-100)
+        proc_lp = lk.token_logprobs(logits, tokens, sampling=lk.Sampling(h.temperature, **self.processing), ignore_index=-100)
         batch.update(
             logprobs=logprobs,
             ref_logprobs=ref_logprobs,

@@ -17,20 +17,12 @@ from lightning_kl.ground.sampler import Sampling
 from lightning_kl.ground.vocab_shards import VocabShard
 from lightning_kl.functional import AGG_MODES, aggregate, kl_penalty
 from lightning_kl.ground.checks import AggMode
-from lightning_kl.kernels.full import full_kl, full_kl_from_hidden
-from lightning_kl.logprobs import FromHidden, token_logprobs, token_logprobs_from_hidden
+from lightning_kl.logprobs import FromHidden, full_kl, token_entropy, token_logprobs
 from lightning_kl.loss import KLPenaltyLoss
 from lightning_kl.metric import KLMetric
 from lightning_kl.refresh import ReferenceRefresh
 from lightning_kl.rollouts import OnPolicyRollouts
-from lightning_kl.sampling import (
-    OUTSIDE_MODES,
-    REFERENCES,
-    SampledLogprobs,
-    processed_full_kl,
-    processed_logprobs,
-    processed_logprobs_from_hidden,
-)
+from lightning_kl.logprobs import OUTSIDE_MODES, REFERENCES
 from lightning_kl.sequence import LEVELS, Level
 
 __version__ = "0.2.0"
@@ -58,18 +50,33 @@ __all__ = [
     "SAMPLED_ESTIMATORS",
     "SampledEstimatorName",
     "VocabShard",
-    "SampledLogprobs",
     "Sampling",
     "aggregate",
     "full_kl",
-    "full_kl_from_hidden",
     "hf",
     "kl_penalty",
     "parse_estimator",
-    "processed_full_kl",
-    "processed_logprobs",
-    "processed_logprobs_from_hidden",
     "step_totals",
+    "token_entropy",
     "token_logprobs",
-    "token_logprobs_from_hidden",
 ]
+
+
+# Deprecated for one minor version (each warns when called, naming its replacement): out of
+# ``__all__``, still reachable as ``lk.name``.
+_DEPRECATED = {
+    "full_kl_from_hidden": "lightning_kl.logprobs",
+    "token_logprobs_from_hidden": "lightning_kl.logprobs",
+    "processed_logprobs": "lightning_kl.sampling",
+    "processed_logprobs_from_hidden": "lightning_kl.sampling",
+    "processed_full_kl": "lightning_kl.sampling",
+    "SampledLogprobs": "lightning_kl.sampling",
+}
+
+
+def __getattr__(name: str) -> object:
+    if name in _DEPRECATED:
+        import importlib
+
+        return getattr(importlib.import_module(_DEPRECATED[name]), name)
+    raise AttributeError(f"module 'lightning_kl' has no attribute {name!r}")

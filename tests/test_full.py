@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, Dataset
 
 import lightning_kl as lk
-from lightning_kl.kernels.full import full_kl
+from lightning_kl import Sampling, full_kl
 
 # gradients toward the reference are checked here on purpose: its warning is expected
 pytestmark = pytest.mark.filterwarnings("ignore:`ref_[a-z]*` requires grad")
@@ -79,7 +79,7 @@ def test_values_and_gradients_match_float64(shape, temperature, chunk_size):
     z64, zr64 = logits(*shape), logits(*shape, seed=1)
     w = logits(*shape[:-1], seed=2, scale=1.0)  # a weighted sum: each token's gradient is scaled
     z, zr = z64.float().requires_grad_(), zr64.float().requires_grad_()
-    kl = full_kl(z, zr, temperature=temperature, chunk_size=chunk_size)
+    kl = full_kl(z, zr, sampling=Sampling(temperature), chunk_size=chunk_size)
     assert kl.shape == shape[:-1] and kl.dtype == torch.float32
     (kl * w.float()).sum().backward()
     want, grad_z, grad_zr = reference(z.detach(), zr.detach(), temperature)
@@ -219,7 +219,7 @@ def test_forward_and_backward_make_no_tensor_larger_than_a_chunk_but_the_gradien
     mask = torch.arange(n) % 5 != 0
     log = _AllocationLog()
     with log:
-        kl = full_kl(z, zr, mask, temperature=temperature, chunk_size=chunk)
+        kl = full_kl(z, zr, mask, sampling=Sampling(temperature), chunk_size=chunk)
         kl.sum().backward()
     big = [s for s in log.sizes if s[1] > chunk * vocab]
     assert len(big) == 1 + ref_grad, big  # the gradient buffers, nothing else
@@ -291,7 +291,7 @@ def test_the_cpu_thread_pool_gives_the_serial_answer_and_leaves_torch_threads_al
     for pooled in (True, False):
         monkeypatch.setattr(chunks_mod, "CPU_THREAD_POOL", pooled)
         z, zr = z64.float().requires_grad_(), zr64.float().requires_grad_()
-        kl = full_kl(z, zr, mask, temperature=0.9, chunk_size=2)
+        kl = full_kl(z, zr, mask, sampling=Sampling(0.9), chunk_size=2)
         kl.sum().backward()
         results.append((kl.detach(), z.grad, zr.grad))
         if pooled and torch.get_num_threads() > 1:

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from torch.testing import assert_close
 
 import lightning_kl as lk
+from _vocab import kl_from_hidden
 from lightning_kl.ground.checks import check_mask
 
 F64 = torch.float64
@@ -156,8 +157,8 @@ def test_hidden_states_given_to_the_logits_functions_point_to_full_kl_from_hidde
     h = lk.FromHidden(torch.randn(2, 3, 4), torch.randn(7, 4))
     with pytest.raises(TypeError, match=r"got FromHidden\..*`lk.full_kl_from_hidden\(hidden, weight, ref_hidden"):
         lk.kl_penalty(h, h, "full")
-    with pytest.raises(TypeError, match=r"got FromHidden\..*`lk.full_kl_from_hidden"):
-        lk.full_kl(h, h)
+    # lk.full_kl takes them itself now (one model against itself: 0)
+    assert torch.equal(lk.full_kl(h, h), torch.zeros(2, 3))
 
 
 def test_a_reference_that_requires_grad_is_warned_about_and_can_be_silenced() -> None:
@@ -169,7 +170,7 @@ def test_a_reference_that_requires_grad_is_warned_about_and_can_be_silenced() ->
         ("ref_logprob", lambda: lk.KLPenaltyLoss("k3+")(lp, ref)),
         ("ref_logits", lambda: lk.full_kl(logits, logits.clone().requires_grad_())),
         ("ref_logits", lambda: lk.KLPenaltyLoss("full")(logits, logits.clone().requires_grad_())),
-        ("ref_hidden", lambda: lk.full_kl_from_hidden(hidden, w, hidden.clone().requires_grad_(), w)),
+        ("ref_hidden", lambda: kl_from_hidden(hidden, w, hidden.clone().requires_grad_(), w)),
         ("ref_hidden", lambda: lk.KLPenaltyLoss("full")(lk.FromHidden(hidden, w), lk.FromHidden(hidden.clone().requires_grad_(), w))),
     ]
     for name, call in cases:
