@@ -357,15 +357,17 @@ class _LogProb(torch.autograd.Function):
         def work(item: tuple[slice, slice | Tensor], state: Any) -> None:
             pos, idx = item
             if not truncated:
-                chunk, _ = src.read(idx)
+                chunk, fresh = src.read(idx)
+                stats[1, pos] = chunk.gather(1, col[pos]).squeeze(1).to(dtype) / temp
                 # lse(z / T) = m / T + log sum exp((z - m) / T): the max is exact in the input dtype,
                 # and one op reads the half chunk and writes the float32 differences into scratch
+                # (or into the chunk itself when it is a fresh one of the compute dtype: a head's)
                 m = chunk.amax(dim=-1, keepdim=True).to(dtype)
-                e = torch.sub(chunk, m, out=_scratch(state, chunk.shape, dtype, device))
+                own = fresh and chunk.dtype == dtype
+                e = torch.sub(chunk, m, out=chunk if own else _scratch(state, chunk.shape, dtype, device))
                 if temp != 1.0:
                     e.div_(temp)
                 stats[0, pos] = e.exp_().sum(dim=-1).log_().add_(m.squeeze(1) / temp)
-                stats[1, pos] = chunk.gather(1, col[pos]).squeeze(1).to(dtype) / temp
                 return
             z = src.scores(idx, dtype, temp)
             removed = process_scores(z if support is None else support.scores(idx, dtype, temp), sampling) == _NINF
@@ -434,11 +436,13 @@ class _LogProb(torch.autograd.Function):
             pos, idx = item
             assert writer is not None
             if not ctx.truncated:
-                chunk, _ = src.read(idx)
+                chunk, fresh = src.read(idx)
                 # p = exp(z / T - lse) = exp((z - T lse) / T), computed in the gradient itself when it
-                # has the compute dtype, else in a worker's scratch buffer and written once
+                # has the compute dtype (or in a fresh chunk of it), else in a worker's scratch buffer
                 p = writer.direct(pos, dtype)
-                p = torch.sub(chunk, lse_t[pos], out=_scratch(state, chunk.shape, dtype, src.device) if p is None else p)
+                if p is None:
+                    p = chunk if fresh and chunk.dtype == dtype else _scratch(state, chunk.shape, dtype, src.device)
+                p = torch.sub(chunk, lse_t[pos], out=p)
                 if temp != 1.0:
                     p.div_(temp)
             else:
