@@ -147,7 +147,7 @@ def _hidden_call(device: torch.device) -> Callable[[], Any]:
     h = torch.randn(4, 8, 16, device=device, requires_grad=True)
     w = torch.randn(50, 16, device=device, requires_grad=True)
     y = torch.randint(0, 50, (4, 8), device=device)
-    return lambda: lk.token_logprobs_from_hidden(h, w, y).sum().backward()
+    return lambda: lk.token_logprobs(lk.FromHidden(h, w), y).sum().backward()
 
 
 def _full_call(device: torch.device, masked: bool) -> Callable[[], Any]:
@@ -161,24 +161,26 @@ def _full_hidden_call(device: torch.device) -> Callable[[], Any]:
     h = torch.randn(4, 8, 16, device=device, requires_grad=True)
     w = torch.randn(50, 16, device=device, requires_grad=True)
     rh, rw = torch.randn(4, 8, 16, device=device), torch.randn(50, 16, device=device)
-    return lambda: lk.full_kl_from_hidden(h, w, rh, rw).sum().backward()
+    return lambda: lk.full_kl(lk.FromHidden(h, w), lk.FromHidden(rh, rw)).sum().backward()
 
 
 def _processed_call(device: torch.device, which: str) -> Callable[[], Any]:
     z = torch.randn(4, 8, 50, device=device, requires_grad=True)
     ref = torch.randn(4, 8, 50, device=device)
-    proc = {"temperature": 0.9, "top_k": 20, "top_p": 0.9}
+    proc = lk.Sampling(temperature=0.9, top_k=20, top_p=0.9)
+    mask = torch.arange(8, device=device) < torch.tensor([[8], [5], [1], [0]], device=device)
     if which == "full":
-        mask = torch.arange(8, device=device) < torch.tensor([[8], [5], [1], [0]], device=device)
-        return lambda: lk.processed_full_kl(z, ref, mask, **proc).sum().backward()
+        return lambda: lk.full_kl(z, ref, mask, sampling=proc).sum().backward()
+    if which == "entropy":
+        return lambda: lk.token_entropy(z, mask, sampling=proc).sum().backward()
     # tokens drawn inside every row's kept set: the most likely token is always kept
     y = z.detach().argmax(-1)
     if which == "hidden":
         h = torch.randn(4, 8, 16, device=device, requires_grad=True)
         w = torch.randn(50, 16, device=device, requires_grad=True)
         y = (h.detach() @ w.detach().T).argmax(-1)
-        return lambda: lk.processed_logprobs_from_hidden(h, w, y, **proc).logprobs.sum().backward()
-    return lambda: lk.processed_logprobs(z, y, **proc).logprobs.sum().backward()
+        return lambda: lk.token_logprobs(lk.FromHidden(h, w), y, sampling=proc).sum().backward()
+    return lambda: lk.token_logprobs(z, y, sampling=proc, return_log_kept=True)[0].sum().backward()
 
 
 def _loss_call(device: torch.device, estimator: str, from_hidden: bool = False) -> Callable[[], Any]:
@@ -192,7 +194,7 @@ def _loss_call(device: torch.device, estimator: str, from_hidden: bool = False) 
         y = torch.randint(0, 50, (4, 8), device=device)
 
         def call() -> None:
-            sampled = lk.token_logprobs_from_hidden(h, w, y)
+            sampled = lk.token_logprobs(lk.FromHidden(h, w), y)
             loss_fn(lk.FromHidden(h, w), lk.FromHidden(rh, rw), mask, sampled_logprob=sampled).backward()
 
         return call
@@ -381,7 +383,6 @@ def _hf_call(device: torch.device, which: str) -> Callable[[], Any]:
 
 
 _IDS = "the id range check reads the ids' min and max on the host (ground/checks.py: check_tokens)"
-_FULL = "the full KL lists valid rows and NaN rows with nonzero() (kernels/full.py)"
 _H2D = "copies a Python number or list to the device (torch.tensor / torch.as_tensor on CUDA waits for the copy)"
 
 #: Every call checked under sync-debug: (name, public names covered, inputs, why it syncs today).
@@ -395,17 +396,18 @@ SYNC_CALLS: list[SyncCall] = [
     SyncCall("aggregate token-mean (no mask)", ("aggregate",), lambda d: _aggregate(d, "token-mean", False), syncs=_H2D + ": the token count", kind="copy"),
     SyncCall("step_totals", ("step_totals",), lambda d: (lambda m=sampled_inputs((4, 8), torch.float32, d)[2]: lk.step_totals([m, m[:, :4]]))),
     SyncCall("token_logprobs", ("token_logprobs",), lambda d: _logprobs_call(d, False), syncs=_IDS),
-    SyncCall("token_logprobs ignore_index=-100", ("token_logprobs",), lambda d: _logprobs_call(d, True), syncs=_IDS + "; backward zeroes non-finite ignored rows with nonzero() (kernels/logprobs.py)"),
-    SyncCall("token_logprobs_from_hidden", ("token_logprobs_from_hidden",), _hidden_call, syncs=_IDS),
-    SyncCall("processed_logprobs T=0.9 top_k=20 top_p=0.9", ("processed_logprobs", "SampledLogprobs"), lambda d: _processed_call(d, "logits")),
-    SyncCall("processed_logprobs_from_hidden", ("processed_logprobs_from_hidden",), lambda d: _processed_call(d, "hidden")),
-    SyncCall("processed_full_kl", ("processed_full_kl",), lambda d: _processed_call(d, "full")),
-    SyncCall("full_kl (mask)", ("full_kl",), lambda d: _full_call(d, True), syncs=_FULL),
-    SyncCall("full_kl (no mask)", ("full_kl",), lambda d: _full_call(d, False), syncs=_FULL),
-    SyncCall("full_kl_from_hidden", ("full_kl_from_hidden",), _full_hidden_call, syncs=_FULL),
-    SyncCall("kl_penalty full", ("kl_penalty",), lambda d: (lambda z=torch.randn(2, 4, 50, device=d, requires_grad=True): lk.kl_penalty(z, z.detach() + 1, "full").sum().backward()), syncs=_FULL),
+    SyncCall("token_logprobs ignore_index=-100", ("token_logprobs",), lambda d: _logprobs_call(d, True), syncs=_IDS),
+    SyncCall("token_logprobs FromHidden", ("token_logprobs", "FromHidden"), _hidden_call, syncs=_IDS),
+    SyncCall("token_logprobs sampling=Sampling(0.9, top_k=20, top_p=0.9)", ("token_logprobs", "Sampling"), lambda d: _processed_call(d, "logits")),
+    SyncCall("token_logprobs FromHidden sampling=", ("token_logprobs", "FromHidden"), lambda d: _processed_call(d, "hidden")),
+    SyncCall("full_kl sampling=", ("full_kl",), lambda d: _processed_call(d, "full")),
+    SyncCall("token_entropy sampling= (mask)", ("token_entropy",), lambda d: _processed_call(d, "entropy")),
+    SyncCall("full_kl (mask)", ("full_kl",), lambda d: _full_call(d, True)),
+    SyncCall("full_kl (no mask)", ("full_kl",), lambda d: _full_call(d, False)),
+    SyncCall("full_kl FromHidden", ("full_kl", "FromHidden"), _full_hidden_call),
+    SyncCall("kl_penalty full", ("kl_penalty",), lambda d: (lambda z=torch.randn(2, 4, 50, device=d, requires_grad=True): lk.kl_penalty(z, z.detach() + 1, "full").sum().backward())),
     SyncCall("KLPenaltyLoss k3+ (step_totals, accumulate_grad_batches=2)", ("KLPenaltyLoss", "step_totals", "KLMetric"), lambda d: _loss_call(d, "k3+")),
-    SyncCall("KLPenaltyLoss full FromHidden level=sequence", ("KLPenaltyLoss", "FromHidden"), lambda d: _loss_call(d, "full", from_hidden=True), syncs=_FULL + "; " + _IDS),
+    SyncCall("KLPenaltyLoss full FromHidden level=sequence", ("KLPenaltyLoss", "FromHidden"), lambda d: _loss_call(d, "full", from_hidden=True), syncs=_IDS),
     SyncCall("KLMetric update+compute (mask)", ("KLMetric",), lambda d: _metric_call(d, True)),
     SyncCall("KLMetric update+compute (no mask)", ("KLMetric",), lambda d: _metric_call(d, False), syncs=_H2D + ": the token count (metric.py)", kind="copy"),
     SyncCall("mismatch_metrics (mask)", ("mismatch_metrics",), lambda d: _mismatch_call(d, "metrics")),

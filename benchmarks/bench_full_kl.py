@@ -41,7 +41,6 @@ def _child(args: argparse.Namespace) -> None:
     import torch
 
     import lightning_kl as lk
-    from lightning_kl.kernels.full import full_kl
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -60,7 +59,7 @@ def _child(args: argparse.Namespace) -> None:
         if args.chunk is None:
             # one sequence of n positions [1, n, V] (flat [n, V] rows without a mask are refused)
             return lk.kl_penalty(z[None], z_ref[None], "full", sampling=lk.Sampling(temperature=temperature))[0]
-        return full_kl(z, z_ref, temperature=temperature, chunk_size=args.chunk)
+        return lk.full_kl(z, z_ref, sampling=lk.Sampling(temperature), chunk_size=args.chunk)
 
     fn = composition if args.child == "composition" else full
 

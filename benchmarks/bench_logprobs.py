@@ -8,11 +8,11 @@ Three cases, each forward + ``backward`` of the sum:
 * ``hidden``: ``--hidden-tokens`` hidden states ``[n, d]`` and an LM head ``[V, d]`` (default 1024 x 896
   and 151,936 x 896 float32, Qwen2.5-0.5B's head), both requiring grad.
   naive: ``torch.log_softmax(hidden @ weight.T, -1).gather(...)``;
-  lean: ``lk.token_logprobs_from_hidden(hidden, weight, tokens)``.
+  lean: ``lk.token_logprobs(lk.FromHidden(hidden, weight), tokens)``.
 * ``full-hidden``: the exact per-token KL over the vocabulary from the policy's hidden states and
   head (with grad) and the reference's (without), same shapes as ``hidden``.
   naive: both logits by matmul, both ``log_softmax``, ``(p * (logp - logq)).sum(-1)``;
-  lean: ``lk.full_kl_from_hidden(hidden, weight, ref_hidden, ref_weight)``.
+  lean: ``lk.full_kl(lk.FromHidden(hidden, weight), lk.FromHidden(ref_hidden, ref_weight))``.
 
 Method (as ``bench_full_kl.py``): each measurement runs in a fresh child process (with
 ``MALLOC_MMAP_THRESHOLD_=65536`` so that resident memory follows live tensors) that builds the
@@ -78,7 +78,7 @@ def _child(args: argparse.Namespace) -> None:
             def run() -> torch.Tensor:
                 if variant == "naive":
                     return torch.log_softmax(h @ w.T, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
-                return lk.token_logprobs_from_hidden(h, w, tokens)
+                return lk.token_logprobs(lk.FromHidden(h, w), tokens)
 
         else:
             h_ref = torch.randn(n, d).to(dtype)
@@ -90,7 +90,7 @@ def _child(args: argparse.Namespace) -> None:
                     with torch.no_grad():
                         logq = torch.log_softmax((h_ref @ w_ref.T).float(), dim=-1)
                     return (logp.exp() * (logp - logq)).sum(-1)
-                return lk.full_kl_from_hidden(h, w, h_ref, w_ref)
+                return lk.full_kl(lk.FromHidden(h, w), lk.FromHidden(h_ref, w_ref))
 
     grads_mib = sum(x.numel() * x.element_size() for x in leaves) / 2**20
 

@@ -7,7 +7,7 @@ top_p=0.8`` (the processing of the issue's measurement). Three variants:
 * ``naive``: what one writes with ``generate``'s warpers: ``scores = logits.float() / T``, the
   top-k / top-p masking on the whole ``[n, V]`` scores (the same ops as ``transformers``), then
   ``log_softmax(scores).gather(...)`` and autograd;
-* ``lean``: ``lk.processed_logprobs(logits, tokens, T, top_k=, top_p=)``, chunked;
+* ``lean``: ``lk.token_logprobs(logits, tokens, sampling=lk.Sampling(T, top_k=, top_p=))``, chunked;
 * ``plain``: ``lk.token_logprobs(logits, tokens, temperature=T)``, the unprocessed log-probs (what the
   processing costs on top of them).
 
@@ -63,8 +63,8 @@ def _child(args: argparse.Namespace) -> None:
             scores = process_scores(z.float() / proc.temperature, proc)
             return torch.log_softmax(scores, -1).gather(-1, tokens[:, None]).squeeze(-1)
         if args.child == "lean":
-            return lk.processed_logprobs(z, tokens, **PROCESSING).logprobs
-        return lk.token_logprobs(z, tokens, temperature=proc.temperature)
+            return lk.token_logprobs(z, tokens, sampling=proc)
+        return lk.token_logprobs(z, tokens, sampling=lk.Sampling(proc.temperature))
 
     grads_mib = z.numel() * z.element_size() / 2**20
 

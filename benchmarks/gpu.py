@@ -29,14 +29,14 @@ It installs nothing. What it does, printing progress as it goes:
    * ``logprobs-logits``: ``lk.token_logprobs`` of bf16 logits at V = 151,936 and 2k-16k tokens,
      against ``log_softmax(logits.float()).gather`` and TRL's ``selective_log_softmax`` (if ``trl``
      imports);
-   * ``logprobs-hidden``: ``lk.token_logprobs_from_hidden`` (d = 1536, Qwen2.5-1.5B's head), against
+   * ``logprobs-hidden``: ``lk.token_logprobs(lk.FromHidden(...))`` (d = 1536, Qwen2.5-1.5B's head), against
      the logits made by the head then ``log_softmax`` + ``gather``, and Liger's
      ``LigerFusedLinearCrossEntropyLoss(reduction="none")`` (if ``liger_kernel`` imports, on CUDA);
-   * ``full-logits``, ``full-hidden``: the exact KL (``lk.full_kl``, ``lk.full_kl_from_hidden``)
+   * ``full-logits``, ``full-hidden``: the exact KL (``lk.full_kl`` of logits and of ``lk.FromHidden``)
      against the plain composition (both ``log_softmax``, ``exp``, multiply, sum) and, from hidden
      states, Liger's ``LigerFusedLinearJSD(jsd_beta=1)`` (its reverse KL: a scalar mean);
    * ``sequence``: ``kl_penalty(..., level="sequence")`` against ``level="token"`` (what it costs);
-   * ``chunks``: ``lk.token_logprobs``, ``lk.full_kl`` and ``lk.full_kl_from_hidden`` at 16k tokens
+   * ``chunks``: ``lk.token_logprobs``, ``lk.full_kl`` and ``lk.full_kl(lk.FromHidden(...))`` at 16k tokens
      with 2^25 (the CUDA default), 2^23 and 2^27 elements per chunk, to check the defaults on the device.
 
    Each row also gives the largest difference of its forward value from the library's (the inputs
@@ -395,7 +395,7 @@ def _hidden_cases(shapes: Shapes, device: torch.device) -> list[Case]:
                 y = torch.randint(0, shapes.vocab, (n,), generator=seeded(device, 4), device=device)
                 fn: Callable[[], Tensor]
                 if variant == "lightning-kl":
-                    fn = lambda: lk.token_logprobs_from_hidden(h, w, y)  # noqa: E731
+                    fn = lambda: lk.token_logprobs(lk.FromHidden(h, w), y)  # noqa: E731
                 elif variant.startswith("linear"):
                     fn = lambda: torch.log_softmax(F.linear(h, w).float(), dim=-1).gather(-1, y[:, None]).squeeze(-1)  # noqa: E731
                 else:
@@ -434,7 +434,7 @@ def _full_cases(shapes: Shapes, device: torch.device) -> list[Case]:
                 rh, rw = _head(n, shapes, device, 8, False)
                 fn: Callable[[], Tensor]
                 if variant == "lightning-kl":
-                    fn = lambda: lk.full_kl_from_hidden(h, w, rh, rw)  # noqa: E731
+                    fn = lambda: lk.full_kl(lk.FromHidden(h, w), lk.FromHidden(rh, rw))  # noqa: E731
                 elif variant.startswith("linear"):
                     fn = lambda: _naive_full_kl(F.linear(h, w), F.linear(rh, rw))  # noqa: E731
                 else:
@@ -488,7 +488,7 @@ def _chunk_cases(shapes: Shapes, device: torch.device) -> list[Case]:
                     fn, leaves = (lambda: lk.full_kl(z, ref, chunk_size=rows)), (z,)
                 else:
                     (h, w), (rh, rw) = _head(n, shapes, device, 12, True), _head(n, shapes, device, 13, False)
-                    fn, leaves = (lambda: lk.full_kl_from_hidden(h, w, rh, rw, chunk_size=rows)), (h, w)
+                    fn, leaves = (lambda: lk.full_kl(lk.FromHidden(h, w), lk.FromHidden(rh, rw), chunk_size=rows)), (h, w)
 
                 return _step(fn), _clear(*leaves)
 

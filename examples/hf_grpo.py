@@ -210,18 +210,12 @@ class ArithmeticDataModule(pl.LightningDataModule):
         return self._sampling
 
     @property
-    def processing(self) -> dict[str, Any]:
-        """The sampler's truncation, as the processed functions take it (``lk.processed_full_kl``)."""
-        s = self.sampling
-        return {"top_k": s.top_k, "top_p": s.top_p, "min_p": s.min_p}
-
-    @property
     def scoring(self) -> dict[str, Any]:
         """How :func:`lightning_kl.hf.response_logprobs` scores the rollouts: the sampler, or (the
         full-vocabulary contrast) the softmax at its temperature."""
         if self.hparams.score_processed:
             return {"sampling": self.sampling}
-        return {"temperature": self.sampling.temperature}
+        return {"sampling": lk.Sampling(temperature=self.sampling.temperature)}
 
     def corpus_config(self) -> dict[str, Any]:
         return {"max_operand": self.hparams.max_operand, "p_correct": self.hparams.p_correct}
@@ -299,13 +293,13 @@ class ArithmeticDataModule(pl.LightningDataModule):
         # softmax, and of the processed policy against the reference's softmax and on its kept set
         kl_full = lk.kl_penalty(logits, ref_logits, "full", mask=mask, sampling=lk.Sampling(temperature=T))
         kl_processed, kl_policy_kept = (
-            lk.processed_full_kl(logits, ref_logits, mask, temperature=T, reference=r, **self.processing)
+            lk.full_kl(logits, ref_logits, mask, sampling=self.sampling, reference=r)
             for r in ("unprocessed", "policy_kept")
         )
         # importance ratios of the scorer against the sampler, full softmax and processed
         tokens = seq[:, p:].masked_fill(~mask, -100)
-        full_lp = lk.token_logprobs(logits, tokens, T, ignore_index=-100)
-        proc_lp = lk.processed_logprobs(logits, tokens, T, ignore_index=-100, **self.processing).logprobs
+        full_lp = lk.token_logprobs(logits, tokens, sampling=lk.Sampling(T), ignore_index=-100)
+        proc_lp = lk.token_logprobs(logits, tokens, sampling=self.sampling, ignore_index=-100)
         batch.update(
             logprobs=logprobs,
             ref_logprobs=ref_logprobs,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 import warnings
-from typing import Any
+from typing import Any, Optional
 
 from lightning_kl.ground.vector_math import settle_vector_math
 
@@ -19,20 +19,13 @@ from lightning_kl import hf  # imports neither transformers nor peft
 from lightning_kl.ground.sampler import Sampling
 from lightning_kl.ground.vocab_shards import VocabShard
 from lightning_kl.functional import AggMode, aggregate, kl_penalty
-from lightning_kl.kernels.full import full_kl, full_kl_from_hidden
-from lightning_kl.logprobs import FromHidden, token_logprobs, token_logprobs_from_hidden
+from lightning_kl.logprobs import FromHidden, full_kl, token_entropy, token_logprobs
 from lightning_kl.loss import KLPenaltyLoss
 from lightning_kl.metric import KLMetric
 from lightning_kl.mismatch import mismatch_metrics
 from lightning_kl.mismatch_metric import MismatchMetric
 from lightning_kl.refresh import ReferenceRefresh
 from lightning_kl.rollouts import OnPolicyRollouts
-from lightning_kl.sampling import (
-    SampledLogprobs,
-    processed_full_kl,
-    processed_logprobs,
-    processed_logprobs_from_hidden,
-)
 from lightning_kl.sequence import Level
 
 __version__ = "0.2.0"
@@ -54,26 +47,21 @@ __all__ = [
     "ReferenceRefresh",
     "RolloutCorrection",
     "VocabShard",
-    "SampledLogprobs",
     "TargetKLController",
     "Sampling",
     "aggregate",
     "full_kl",
-    "full_kl_from_hidden",
     "hf",
     "kl_penalty",
     "mismatch_metrics",
-    "processed_full_kl",
-    "processed_logprobs",
-    "processed_logprobs_from_hidden",
     "step_totals",
+    "token_entropy",
     "token_logprobs",
-    "token_logprobs_from_hidden",
 ]
 
 #: Names that left ``__all__``, reachable as ``lk.NAME`` for one more minor version with a
 #: ``DeprecationWarning``: ``NAME: (module, attribute, what to use instead)``. One line per name.
-_DEPRECATED: dict[str, tuple[str, str, str]] = {
+_DEPRECATED: dict[str, tuple[str, str, Optional[str]]] = {
     "ESTIMATORS": ("lightning_kl.estimators", "ESTIMATORS", "typing.get_args(typing.get_args(lk.EstimatorName)[0])"),
     "BASE_ESTIMATORS": ("lightning_kl.estimators", "BASE_ESTIMATORS", "lk.EstimatorName (the names without '+')"),
     "SAMPLED_ESTIMATORS": ("lightning_kl.estimators", "SAMPLED_ESTIMATORS", "lk.EstimatorName (every name but 'full')"),
@@ -82,8 +70,15 @@ _DEPRECATED: dict[str, tuple[str, str, str]] = {
     "parse_estimator": ("lightning_kl.estimators", "parse_estimator", "the estimator's name: every entry point checks it"),
     "AGG_MODES": ("lightning_kl.functional", "AGG_MODES", "typing.get_args(typing.get_args(lk.AggMode)[0])"),
     "LEVELS": ("lightning_kl.sequence", "LEVELS", "typing.get_args(typing.get_args(lk.Level)[0])"),
-    "OUTSIDE_MODES": ("lightning_kl.sampling", "OUTSIDE_MODES", "the strings 'raise' and '-inf' (lightning_kl.sampling.OUTSIDE_MODES)"),
-    "REFERENCES": ("lightning_kl.sampling", "REFERENCES", "the strings 'unprocessed', 'processed', 'policy_kept' (lightning_kl.sampling.REFERENCES)"),
+    "OUTSIDE_MODES": ("lightning_kl.logprobs", "OUTSIDE_MODES", "the strings 'raise' and '-inf' (lightning_kl.logprobs.OUTSIDE_MODES)"),
+    "REFERENCES": ("lightning_kl.logprobs", "REFERENCES", "the strings 'unprocessed', 'processed', 'policy_kept' (lightning_kl.logprobs.REFERENCES)"),
+    # functions and a type that warn themselves when called (naming the new call): no second warning here
+    "token_logprobs_from_hidden": ("lightning_kl.logprobs", "token_logprobs_from_hidden", None),
+    "full_kl_from_hidden": ("lightning_kl.logprobs", "full_kl_from_hidden", None),
+    "processed_logprobs": ("lightning_kl.sampling", "processed_logprobs", None),
+    "processed_logprobs_from_hidden": ("lightning_kl.sampling", "processed_logprobs_from_hidden", None),
+    "processed_full_kl": ("lightning_kl.sampling", "processed_full_kl", None),
+    "SampledLogprobs": ("lightning_kl.sampling", "SampledLogprobs", "lk.token_logprobs(..., sampling=, return_log_kept=True)"),
 }
 
 
@@ -91,10 +86,11 @@ def __getattr__(name: str) -> Any:
     # PEP 562: a name of _DEPRECATED, with its warning; anything else is missing
     if name in _DEPRECATED:
         module, attribute, instead = _DEPRECATED[name]
-        warnings.warn(
-            f"`lightning_kl.{name}` is deprecated and leaves in the next minor version: use {instead}.",
-            DeprecationWarning,
-            stacklevel=2,
-        )
+        if instead is not None:
+            warnings.warn(
+                f"`lightning_kl.{name}` is deprecated and leaves in the next minor version: use {instead}.",
+                DeprecationWarning,
+                stacklevel=2,
+            )
         return getattr(importlib.import_module(module), attribute)
     raise AttributeError(f"module 'lightning_kl' has no attribute {name!r}")

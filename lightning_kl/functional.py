@@ -35,7 +35,6 @@ from lightning_kl.ground.sampler import Sampling
 from lightning_kl.ground.vocab_shards import is_vocab_parallel, local_part, sampled_locals
 from lightning_kl.kernels import fused
 from lightning_kl.kernels.full import full_kl_compute, full_kl_from_hidden_compute
-from lightning_kl.kernels.processed_full import processed_full_kl_kernel
 from lightning_kl.logprobs import FromHidden
 from lightning_kl.sequence import (
     check_kl_to_go,
@@ -276,26 +275,24 @@ def check_logprob_values(named: dict[str, Optional[Tensor]], mask: Optional[Tens
 def full_kl_values(x: Any, ref_x: Any, mask: Optional[Tensor], sampling: Sampling) -> Tensor:
     r"""The exact per-position KL of checked inputs: the one place where ``"full"`` reaches the kernels.
 
-    :math:`\mathrm{KL}(	ilde\pi \,\|\, \pi_{\mathrm{ref}})`, the policy processed by ``sampling`` and the
-    reference at the same temperature, unprocessed (``processed_full_kl``'s ``reference="unprocessed"``).
+    :math:`\mathrm{KL}(\tilde\pi \,\|\, \pi_{\mathrm{ref}})`, the policy processed by ``sampling`` and the
+    reference at the same temperature, unprocessed (``lk.full_kl``'s ``reference="unprocessed"``).
     ``x`` and ``ref_x``: logits (a tensor, a vocabulary-split DTensor or an ``lk.VocabShard``) or one
     :class:`~lightning_kl.FromHidden` each; ``mask`` bool or None.
 
     Raises:
-        ValueError: for a truncating sampler (top-k, top-p, min-p) with hidden states or vocabulary-split
-            logits, which have no exact kernel yet.
+        ValueError: for a truncating sampler (top-k, top-p, min-p) with vocabulary-split logits: its kept
+            set is a selection across ranks, which the engine does not build.
     """
-    if sampling.truncates and (isinstance(x, FromHidden) or is_vocab_parallel(x) or is_vocab_parallel(ref_x)):
+    if sampling.truncates and (is_vocab_parallel(x) or is_vocab_parallel(ref_x) or (isinstance(x, FromHidden) and is_vocab_parallel(x.weight))):
         raise ValueError(
-            f"The exact KL of a truncating sampler ({sampling!r}) is not available from "
-            f"{'hidden states' if isinstance(x, FromHidden) else 'logits split over the vocabulary'} yet: pass "
-            "the whole logits of both models, or a sampling with the temperature alone."
+            f"The exact KL of a truncating sampler ({sampling!r}) is not available on a vocabulary split over "
+            "processes (top-k, top-p and min-p select across the shards): pass the whole logits of both models, "
+            "or a sampling with the temperature alone."
         )
     if isinstance(x, FromHidden):
-        return full_kl_from_hidden_compute(*x, *ref_x, mask, sampling.temperature)
-    if sampling.truncates:
-        return processed_full_kl_kernel(x, ref_x, None if mask is None else mask.reshape(-1), sampling, "unprocessed", None)
-    return full_kl_compute(x, ref_x, mask, sampling.temperature)
+        return full_kl_from_hidden_compute(*x, *ref_x, mask, sampling)
+    return full_kl_compute(x, ref_x, mask, sampling)
 
 
 def kl_penalty_values(

@@ -44,8 +44,8 @@ from torch import Tensor
 from lightning_kl.ground.checks import check_temperature
 from lightning_kl.ground.sampler import Sampling
 from lightning_kl.kernels.processing import check_processing
+from lightning_kl.ground.sampler import Sampling
 from lightning_kl.logprobs import token_logprobs
-from lightning_kl.sampling import processed_logprobs
 
 __all__ = [
     "SamplerAgreement",
@@ -235,12 +235,12 @@ def response_logprobs(
             ``top_p`` and ``min_p`` (give one or the other).
         top_k, top_p, min_p: the sampler's truncation, as passed to ``generate`` (None: off): the
             log-probs of the truncated, renormalized distribution the tokens were drawn from
-            (:func:`lightning_kl.processed_logprobs`). Response positions outside
+            (:func:`lightning_kl.token_logprobs` with ``sampling=``). Response positions outside
             ``attention_mask`` (after EOS: not sampled) then get 0.
         kept_from: optional ``[b, t, V]`` response logits of the policy: the kept set is the
             policy's (a reference renormalized on the policy's kept set).
         outside: a sampled token outside the kept set: ``"raise"`` or ``"-inf"``
-            (:func:`lightning_kl.processed_logprobs`).
+            (:func:`lightning_kl.token_logprobs` with ``sampling=``).
         sampler_scores: opt-in check of the scorer against the sampler: ``generate``'s processed
             scores of these sequences (``out.scores`` of ``generate(..., output_scores=True,
             return_dict_in_generate=True)``, ``t`` tensors ``[b, V]``, or one ``[b, t, V]``). The
@@ -286,14 +286,13 @@ def response_logprobs(
     # logits_to_keep=t+1 keeps the last t+1 positions; a model that ignores it returns all of them
     logits = response_logits(logits, logits.shape[1] - t)
     # chunked and exact, with no float32 copy of the logits (bf16 models): lk.token_logprobs
+    sampling = Sampling(temperature, top_k, top_p, min_p)
     if processed:
         # positions after EOS were not sampled: the sampler's kept set says nothing about them
         tokens = sequences[:, prompt_length:].masked_fill(attention_mask[:, prompt_length:] == 0, -100)
-        logprobs = processed_logprobs(
-            logits, tokens, temperature, top_k, top_p, min_p, -100, outside=outside, kept_from=kept_from
-        ).logprobs
+        logprobs = token_logprobs(logits, tokens, sampling=sampling, ignore_index=-100, outside=outside, kept_from=kept_from)
     else:
-        logprobs = token_logprobs(logits, sequences[:, prompt_length:], temperature=temperature)
+        logprobs = token_logprobs(logits, sequences[:, prompt_length:], sampling=sampling)
     if sampler_scores is not None:
         _check_against_sampler(model, logprobs, sampler_scores, sequences[:, prompt_length:],
                                attention_mask[:, prompt_length:] != 0)

@@ -1,136 +1,366 @@
-r"""Token log-probabilities: ``log softmax(logits / T)[tokens]``, exact, in bounded memory.
+r"""Functions over the whole vocabulary: token log-probs, the exact KL, the token entropy.
 
-Shapes: ``...`` any leading dims (``[b, t]`` for a batch of sequences), ``V`` the vocabulary,
-``d`` the hidden size.
+Shapes: ``...`` any leading dims (``[b, t]`` for a batch of sequences), ``V`` the vocabulary, ``d``
+the hidden size. Each function takes its model's output as ``x``, in any of four forms:
 
-* :func:`token_logprobs` takes logits ``[..., V]`` and ``tokens [...]``.
-* :func:`token_logprobs_from_hidden` takes the last hidden states ``[..., d]`` and the LM head
-  (``weight [V, d]``, optional ``bias [V]``) instead: the logits never exist at full size.
+* logits ``[..., V]`` (any layout: ``logits[:, :-1]`` is read in place, never copied whole);
+* a vocabulary-sharded DTensor (``Shard(-1)``) or an :class:`~lightning_kl.VocabShard`: this rank's
+  columns of logits split over a tensor parallel group, never gathered (``docs/vocabulary.md``);
+* an :class:`FromHidden` ``(hidden, weight, bias)``: the logits ``hidden @ weight.T + bias`` made
+  chunk by chunk, never whole (``weight`` may be a :class:`~lightning_kl.VocabShard` of a
+  column-parallel head's rows).
 
-Both return ``[...]`` log-probabilities in float32 (float64 for float64 inputs), differentiable
-w.r.t. every floating input, with the gradients in each input's own dtype. The usual
-``torch.log_softmax(logits.float(), -1).gather(-1, tokens[..., None])`` holds float32 copies of the
-whole ``[..., V]`` logits from forward to backward (six times the bf16 logits at peak); here the
-work runs over chunks (:mod:`lightning_kl.kernels.logprobs`), and beyond the inputs and their
-gradients only a few chunk-sized buffers and ``O(n)`` numbers are held. ``python
-benchmarks/bench_logprobs.py`` measures both.
+and an optional sampler, ``sampling=lk.Sampling(temperature, top_k, top_p, min_p)``: the
+distribution is then the one the sampler draws from (``generate``'s order and ties). Every function
+validates its inputs once and hands them to one chunked engine (:mod:`lightning_kl.kernels.engine`):
+float32 maths (float64 for float64 inputs), exact gradients in each input's dtype, no ``[..., V]``
+float32 copy, ``O(n)`` numbers kept between forward and backward. The sampler's truncation (top-k,
+top-p, min-p) needs whole rows: on a vocabulary split over ranks it is refused with an error naming
+the combination (pass the temperature alone, or gather those rows).
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
-from lightning_kl.ground.checks import check_chunk_size, check_floating, check_head, check_temperature, check_tokens
+from lightning_kl.ground.checks import (
+    check_chunk_size,
+    check_floating,
+    check_full_hidden_inputs,
+    check_full_inputs,
+    check_head,
+    check_mask,
+    check_matching,
+    check_tokens,
+    check_values,
+)
+from lightning_kl.ground.sampler import Sampling
 from lightning_kl.ground.vocab_shards import VocabShard, is_vocab_parallel
-from lightning_kl.kernels.logprobs import token_logprobs_from_hidden_kernel, token_logprobs_kernel
-from lightning_kl.kernels.processing import check_processing
-from lightning_kl.kernels.vocab_parallel import vocab_parallel_token_logprobs, vocab_parallel_token_logprobs_from_hidden
-from lightning_kl.sampling import processed_logprobs, processed_logprobs_from_hidden
+from lightning_kl.kernels.engine import REFERENCES, Partition, Tensors, entropy_kernel, full_kl_kernel, token_logprobs_kernel
+from lightning_kl.kernels.full import head_source, logits_source, same_partition
 
-__all__ = ["FromHidden", "token_logprobs", "token_logprobs_from_hidden"]
+__all__ = ["OUTSIDE_MODES", "REFERENCES", "FromHidden", "full_kl", "full_kl_from_hidden", "token_entropy", "token_logprobs", "token_logprobs_from_hidden"]
 
-
-def _refuse_truncation_on_shards(top_k: Any, top_p: Any, min_p: Any) -> None:
-    """Top-k, top-p and min-p over a vocabulary split across ranks are not built: refuse them clearly."""
-    if check_processing(1.0, top_k, top_p, min_p).truncates:
-        raise ValueError(
-            f"top_k={top_k!r}, top_p={top_p!r}, min_p={min_p!r}: the sampler's truncation is not supported on "
-            "logits or heads split over the vocabulary (its kept set needs a selection across the shards). "
-            "Pass the temperature alone, or gather the logits of these rows (`logits.full_tensor()`) to score "
-            "a truncated sampler."
-        )
+#: What to do with a token outside the sampler's kept set: ``"raise"`` (the sampler and the scorer
+#: disagree) or ``"-inf"`` (its processed log-prob, e.g. a reference's own processed distribution).
+OUTSIDE_MODES = ("raise", "-inf")
 
 
 class FromHidden(NamedTuple):
     r"""Logits given as the last hidden states and the LM head: ``hidden @ weight.T + bias``.
 
-    Pass one for each model in place of the logits to ``KLPenaltyLoss("full")``, so that the exact
-    KL is computed chunk by chunk from the hidden states (:func:`lightning_kl.full_kl_from_hidden`)
-    and the ``[..., V]`` logits never exist::
+    Pass one in place of logits to :func:`~lightning_kl.token_logprobs`, :func:`~lightning_kl.full_kl`,
+    :func:`~lightning_kl.token_entropy` or ``KLPenaltyLoss("full")``: the ``[..., V]`` logits are made
+    chunk by chunk, in forward and again in backward, and never exist whole::
 
-        kl_loss = self.kl(lk.FromHidden(hidden, self.policy.lm_head.weight),
-                          lk.FromHidden(ref_hidden, self.ref.lm_head.weight), mask)
+        kl = lk.full_kl(lk.FromHidden(hidden, self.policy.lm_head.weight),
+                        lk.FromHidden(ref_hidden, self.ref.lm_head.weight), mask)
 
     Attributes:
         hidden: ``[..., d]`` the last hidden states (after the final norm).
-        weight: ``[V, d]`` the LM head.
-        bias: optional ``[V]`` head bias.
+        weight: ``[V, d]`` the LM head, or a :class:`~lightning_kl.VocabShard` of this rank's rows
+            ``[V_local, d]`` of a column-parallel head (the hidden states' gradient is summed over its group).
+        bias: optional ``[V]`` head bias (``[V_local]``, this rank's slice, for a shard).
     """
 
     hidden: Tensor
-    weight: Tensor
+    weight: Tensor | VocabShard
     bias: Optional[Tensor] = None
 
 
+_LEGACY = ("temperature", "top_k", "top_p", "min_p")
+
+
+def _sampling(sampling: Any, legacy: dict[str, Any], call: str, warn: bool = True) -> Sampling:
+    """The validated sampler from ``sampling=``, or (deprecated, with a warning) from the old keywords."""
+    unknown = sorted(set(legacy) - set(_LEGACY))
+    if unknown:
+        raise TypeError(f"{call}() got unexpected keyword argument(s) {unknown}.")
+    if legacy:
+        if sampling is not None:
+            raise TypeError(f"pass the sampler as `sampling=` only, not with {sorted(legacy)}.")
+        if warn:  # (a positional temperature is warned about by the caller, once)
+            new = ", ".join(f"{k}={v!r}" for k, v in legacy.items())
+            warnings.warn(
+                f"{call}({', '.join(f'{k}=' for k in legacy)}...) is deprecated: pass sampling=lk.Sampling({new}).",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+        return Sampling(**legacy)
+    if sampling is None:
+        return Sampling()
+    if not isinstance(sampling, Sampling):
+        raise TypeError(f"`sampling` must be an lk.Sampling or None, got {type(sampling).__name__}.")
+    return sampling
+
+
+def _source(x: Any, name: str, sampling: Sampling) -> tuple[Tensors, Partition, Tensor]:
+    """One model's output as the engine's source and partition, checked; and a tensor with its leading dims."""
+    hidden = isinstance(x, FromHidden)
+    if sampling.truncates and (isinstance(x.weight, VocabShard) if hidden else is_vocab_parallel(x)):
+        raise ValueError(
+            f"sampling={sampling} truncates, which is not supported on logits or heads split over the vocabulary "
+            f"(`{name}`): the kept set needs a selection across the shards. Pass the temperature alone, or gather "
+            "the logits of these rows (`logits.full_tensor()`) to score a truncating sampler."
+        )
+    if hidden:
+        check_head(x.hidden, x.weight, x.bias, prefix="" if name == "x" else "ref_")
+        src, part = head_source(x.hidden, x.weight, x.bias, "weight" if name == "x" else "ref_weight")
+    else:
+        if not is_vocab_parallel(x):
+            check_floating(name, x)
+            if x.ndim == 0 or x.shape[-1] == 0:
+                raise ValueError(f"`{name}` must be `[..., V]` with a vocabulary of V >= 1 entries, got shape {tuple(x.shape)}.")
+        src, part = logits_source(x, name)
+    return src, part, src.x
+
+
+def _check_outside(outside: Any) -> str:
+    if outside not in OUTSIDE_MODES:
+        raise ValueError(f"`outside` must be one of {OUTSIDE_MODES}, got {outside!r}.")
+    return outside
+
+
+def _report_outside(outside: Tensor, tokens: Tensor, sampling: Sampling) -> None:
+    """Fail on a sampled token outside the kept set; no host read off the CPU (:func:`check_values`)."""
+
+    def named() -> ValueError:
+        where = outside.nonzero()[0].tolist()
+        return ValueError(
+            f"{int(outside.sum())} sampled token(s) lie outside the kept set of the processing {sampling.as_dict()}, "
+            f"the first at position {tuple(where)} (id {int(tokens[tuple(where)])}): the sampler and the scorer "
+            "disagree (another processing, e.g. generate's default top_k=50, or other logits). Pass the "
+            "sampler's exact processing, or outside='-inf' to score them as log 0 = -inf."
+        )
+
+    rule = (
+        f"sampled tokens must lie in the kept set of the processing {sampling.as_dict()} (the sampler's exact "
+        "processing, or outside='-inf' to score them as log 0 = -inf)"
+    )
+    check_values(outside, named, rule)
+
 
 def token_logprobs(
-    logits: Tensor | VocabShard,
+    x: Tensor | VocabShard | FromHidden,
     tokens: Tensor,
-    temperature: float = 1.0,
+    *legacy_args: Any,
+    sampling: Optional[Sampling] = None,
     ignore_index: Optional[int] = None,
-    *,
+    outside: str = "raise",
+    kept_from: Optional[Tensor] = None,
+    return_log_kept: bool = False,
     chunk_size: Optional[int] = None,
-    top_k: Optional[int] = None,
-    top_p: Optional[float] = None,
-    min_p: Optional[float] = None,
-) -> Tensor:
-    r"""Log-probabilities of ``tokens`` under ``softmax(logits / temperature)``.
+    **legacy: Any,
+) -> Any:
+    r"""Log-probabilities of ``tokens`` under ``softmax(z / T)``, or under the sampler's processed distribution.
 
     .. math::
-        \ell_{\dots} = \frac{z_{\dots, y}}{T} - \log \sum_{v} e^{z_{\dots, v} / T}, \qquad y = \mathrm{tokens}_{\dots}
+        \log \tilde p_y = \frac{z_y}{T} - \operatorname{lse}_{j \in K}\Big(\frac{z_j}{T}\Big), \qquad
+        \log S = \operatorname{lse}_{j \in K}\Big(\frac{z_j}{T}\Big) - \operatorname{lse}_j\Big(\frac{z_j}{T}\Big)
 
-    Exact and chunked over rows: the forward keeps only the per-token log-sum-exp (float32); the
-    backward recomputes the softmax chunk by chunk and writes the gradient once, in the logits'
-    dtype. No ``[..., V]`` float32 copy of the logits is ever made.
+    :math:`K` the sampler's kept set (the whole vocabulary without truncation), :math:`S` the share of
+    ``softmax(z / T)`` it keeps. Exact gradients: :math:`([i = y] - [i \in K] \tilde p_i) / T` w.r.t. the
+    logits (the kept set is a selection), and through them w.r.t. hidden states and head.
 
     Args:
-        logits: ``[..., V]`` floating point (float16, bfloat16, float32, float64); any layout
-            (``logits[:, :-1]`` is read in place, never copied whole). Or logits split over the
-            vocabulary across a tensor parallel group, never gathered: a DTensor with ``Shard(-1)``
-            or a :class:`~lightning_kl.VocabShard` (see :mod:`lightning_kl.kernels.vocab_parallel`).
-        tokens: ``[...]`` integer ids in ``[0, V)``.
-        temperature: :math:`T > 0`, the sampling temperature.
-        ignore_index: an id whose positions get log-prob 0 and exactly zero gradient (Hugging
-            Face's label padding is ``-100``), even where the logits hold NaN.
-        chunk_size: rows per chunk (default: about :math:`2^{19}` elements per chunk on CPU,
-            :math:`2^{25}` on GPU).
-        top_k, top_p, min_p: the sampler's truncation, as ``generate`` names it (None, or 0, 1.0
-            and 0.0: off): the log-probs of the truncated, renormalized distribution, from
-            :func:`lightning_kl.processed_logprobs` (a token outside the kept set raises).
+        x: ``[..., V]`` logits, a vocabulary shard (DTensor ``Shard(-1)`` or :class:`~lightning_kl.VocabShard`),
+            or :class:`FromHidden`.
+        tokens: ``[...]`` integer ids in ``[0, V)`` (global ids for a shard).
+        sampling: the sampler (:class:`~lightning_kl.Sampling`); None: ``softmax(z)``. Truncation is
+            refused on a split vocabulary.
+        ignore_index: an id whose positions get 0 (every output) and exactly zero gradient (``-100``),
+            even where the logits hold NaN.
+        outside: a token outside the kept set: ``"raise"`` (default; the error names it) or ``"-inf"``
+            (log-prob ``-inf``, zero gradient).
+        kept_from: optional ``[..., V]`` logits of another model (the policy's) whose processing chooses
+            the kept set: ``x``'s distribution renormalized on that set (no gradient flows into it;
+            logits ``x`` only).
+        return_log_kept: also return :math:`\log S` per token (without grad; 0 without truncation).
+        chunk_size: rows per chunk (default: about :math:`2^{19}` logits per chunk on CPU, :math:`2^{25}`
+            on GPU; from hidden states :math:`2^{23}` on CPU and at least 16 rows).
+
+    The deprecated ``temperature``, ``top_k``, ``top_p``, ``min_p`` keywords (and a positional
+    temperature and ignore_index) still work, with a ``DeprecationWarning``: pass ``sampling=``.
 
     Returns:
-        ``[...]`` log-probabilities, float32 (float64 for float64 logits), differentiable w.r.t. ``logits``.
+        ``[...]`` log-probs, float32 (float64 for float64 inputs), or ``(logprobs, log_kept)`` with
+        ``return_log_kept``.
 
     Raises:
-        TypeError: for logits that are not floating point, or tokens that are not integers.
-        ValueError: for shapes or devices that do not match (named), an id outside ``[0, V)`` that
-            is not ``ignore_index`` (the id and ``V`` named), a bad temperature or chunk size.
+        TypeError: for inputs that are not floating point, tokens that are not integers, a bad ``sampling``.
+        ValueError: for shapes or devices that do not match (named), an id outside ``[0, V)`` that is not
+            ``ignore_index`` (named), a bad ``outside`` or chunk size, truncation on a split vocabulary,
+            or (``outside="raise"``) a token outside the kept set (on the CPU its count, first position and
+            id named; elsewhere a device-side assertion naming the rule, without a host sync).
 
     Example:
         >>> logits = torch.tensor([[0.0, 0.0], [2.0, 1.0]], requires_grad=True)
         >>> lp = token_logprobs(logits, torch.tensor([1, -100]), ignore_index=-100)
         >>> lp  # log(1/2); the ignored token gives 0
-        tensor([-0.6931,  0.0000], grad_fn=<_TokenLogprobsBackward>)
+        tensor([-0.6931,  0.0000], grad_fn=<_LogProbBackward>)
         >>> lp.sum().backward(); logits.grad[0]  # one-hot minus softmax
         tensor([-0.5000,  0.5000])
-        >>> bool((logits.grad[1] == 0).all())  # the ignored token: zero gradient
-        True
+        >>> z = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+        >>> token_logprobs(z, torch.tensor([1]), sampling=Sampling(top_k=2), return_log_kept=True)
+        (tensor([-1.3133]), tensor([-0.1269]))
     """
-    if is_vocab_parallel(logits):  # split over the vocabulary (docs/scale.md): never gathered
-        _refuse_truncation_on_shards(top_k, top_p, min_p)
-        return vocab_parallel_token_logprobs(logits, tokens, check_temperature(temperature), ignore_index, check_chunk_size(chunk_size))
-    if (top_k, top_p, min_p) != (None, None, None):
-        return processed_logprobs(logits, tokens, temperature, top_k, top_p, min_p, ignore_index, chunk_size=chunk_size).logprobs
-    check_floating("logits", logits)
-    if logits.ndim == 0 or logits.shape[-1] == 0:
-        raise ValueError(f"`logits` must be `[..., V]` with a vocabulary of V >= 1 entries, got shape {tuple(logits.shape)}.")
-    temperature = check_temperature(temperature)
+    if legacy_args:
+        if len(legacy_args) > 2:
+            raise TypeError(f"token_logprobs() takes x, tokens and keywords, got {2 + len(legacy_args)} positional arguments.")
+        warnings.warn(
+            "token_logprobs(x, tokens, temperature, ignore_index) positionally is deprecated: pass "
+            "sampling=lk.Sampling(temperature=...) and ignore_index=... by keyword.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        legacy = {"temperature": legacy_args[0], **legacy}
+        if len(legacy_args) == 2:
+            ignore_index = legacy_args[1]
+    proc = _sampling(sampling, legacy, "token_logprobs", warn=not legacy_args)
+    return _token_logprobs(x, tokens, proc, ignore_index, outside, kept_from, return_log_kept, chunk_size)
+
+
+def _token_logprobs(
+    x: Any, tokens: Tensor, proc: Sampling, ignore_index: Any, outside: Any, kept_from: Any, return_log_kept: bool, chunk_size: Any
+) -> Any:
+    src, part, lead = _source(x, "x" if isinstance(x, FromHidden) else "logits", proc)
+    outside = _check_outside(outside)
     check_chunk_size(chunk_size)
-    ids, ignored = check_tokens(tokens, logits.shape[:-1], logits.shape[-1], logits.device, "logits", ignore_index)
-    return token_logprobs_kernel(logits, ids, ignored, temperature, chunk_size)
+    vocab = None if part.split else (src.x.shape[-1] if src.weight is None else src.weight.shape[0])
+    ids, ignored = check_tokens(tokens, lead.shape[:-1], vocab, lead.device, "hidden" if src.weight is not None else "logits", ignore_index)
+    if kept_from is not None:
+        if src.weight is not None or part.split:
+            raise ValueError("`kept_from` takes whole logits `x` (not lk.FromHidden nor a vocabulary shard).")
+        check_matching("logits", src.x, "kept_from", kept_from)
+        kept_from = kept_from.detach()
+    lp, log_kept, out = token_logprobs_kernel(src, ids, ignored, proc, part, chunk_size, kept_from)
+    if (proc.truncates or kept_from is not None) and outside == "raise":
+        _report_outside(out, tokens, proc)
+    return (lp, log_kept) if return_log_kept else lp
+
+
+def token_entropy(
+    x: Tensor | VocabShard | FromHidden,
+    mask: Optional[Tensor] = None,
+    *,
+    sampling: Optional[Sampling] = None,
+    chunk_size: Optional[int] = None,
+) -> Tensor:
+    r"""Per-token entropy :math:`H = -\sum_i \tilde p_i \log \tilde p_i` of the (processed) distribution.
+
+    The quantity RL runs log every step, computed chunk by chunk with the memory of
+    :func:`token_logprobs` (no ``[..., V]`` float32 copy), exact, with gradients
+    :math:`-\tilde p_i (\log \tilde p_i + H) / T` w.r.t. the logits.
+
+    Args:
+        x: ``[..., V]`` logits, a vocabulary shard, or :class:`FromHidden` (as :func:`token_logprobs`).
+        mask: optional ``[...]``, True on valid tokens (value 0 and gradient exactly 0 elsewhere).
+        sampling: the sampler (None: ``softmax(z)``); truncation is refused on a split vocabulary.
+        chunk_size: rows per chunk.
+
+    Returns:
+        ``[...]`` entropy per token (nats), float32 (float64 for float64 inputs).
+
+    Example:
+        >>> token_entropy(torch.zeros(1, 4))  # uniform over 4: log 4
+        tensor([1.3863])
+        >>> token_entropy(torch.tensor([[3.0, 2.0, 0.0, 0.0]]), sampling=Sampling(top_k=1))  # one token kept
+        tensor([0.])
+    """
+    proc = _sampling(sampling, {}, "token_entropy")
+    src, part, lead = _source(x, "x" if isinstance(x, FromHidden) else "logits", proc)
+    check_chunk_size(chunk_size)
+    mask = check_mask(mask, lead, "hidden" if src.weight is not None else "logits", without="the last dimension")
+    return entropy_kernel(src, None if mask is None else ~mask.reshape(-1), proc, part, chunk_size)
+
+
+def full_kl(
+    x: Tensor | VocabShard | FromHidden,
+    ref_x: Tensor | VocabShard | FromHidden,
+    mask: Optional[Tensor] = None,
+    *,
+    sampling: Optional[Sampling] = None,
+    reference: str = "unprocessed",
+    chunk_size: Optional[int] = None,
+    **legacy: Any,
+) -> Tensor:
+    r"""Exact per-token :math:`\mathrm{KL}(\tilde\pi \,\|\, \pi_{\mathrm{ref}})` over the vocabulary.
+
+    .. math::
+        \mathrm{KL} = \sum_{i \in K} \tilde p_i (\log \tilde p_i - \log q_i)
+
+    :math:`\tilde p`: the policy's distribution, ``softmax(z / T)``, or with a truncating sampler its
+    processed distribution on the kept set :math:`K`. The reference :math:`q` (``reference=``), always
+    at the same temperature (the three are one without truncation):
+
+    * ``"unprocessed"`` (default): ``softmax(z_ref / T)``, the whole vocabulary; finite.
+    * ``"policy_kept"``: the reference renormalized on the policy's kept set: the two models compared
+      among the tokens the sampler can draw; finite, 0 whenever :math:`K` is a single token.
+    * ``"processed"``: the reference processed by the same rule on its own logits. ``+inf`` where the
+      policy keeps a token the reference removes; a backward through such a token raises.
+
+    No sampling noise; exact gradients w.r.t. both models' inputs (the kept sets are selections):
+    :math:`\tilde p_i (\log \tilde p_i - \log q_i - \mathrm{KL}) / T` and :math:`(q_i - \tilde p_i) / T`.
+    Chunked: beyond the inputs and their gradients a few chunk-sized temporaries and ``O(n)`` numbers.
+
+    Args:
+        x, ref_x: the policy's and the reference's ``[..., V]`` logits, both split over the vocabulary
+            the same way (DTensors ``Shard(-1)`` or :class:`~lightning_kl.VocabShard`), or both
+            :class:`FromHidden`.
+        mask: optional ``[...]``, True on valid tokens: value 0 and gradient exactly 0 elsewhere, even
+            where the inputs hold NaN.
+        sampling: the policy's sampler (None: ``softmax(z)``); truncation refused on a split vocabulary.
+        reference: one of :data:`REFERENCES`.
+        chunk_size: rows per chunk.
+
+    The deprecated ``temperature=`` keyword still works, with a ``DeprecationWarning``.
+
+    Returns:
+        ``[...]`` KL per token, float32 (float64 for float64 inputs), the same on every rank of a split.
+
+    Raises:
+        TypeError: for inputs that are not floating point tensors, a mix of forms (named).
+        ValueError: for shapes or devices that do not match (named), a bad reference, sampler or chunk
+            size; in backward, for a ``+inf`` KL (``"processed"``) with a gradient.
+
+    Example:
+        >>> z = torch.tensor([[0.0, 0.0], [2.0, -1.0]], requires_grad=True)
+        >>> ref = torch.tensor([[1.0, -1.0], [2.0, -1.0]])
+        >>> kl = full_kl(z, ref)
+        >>> kl  # row 0: 0.5 log(0.5/0.8808) + 0.5 log(0.5/0.1192); row 1: identical distributions
+        tensor([0.4338, 0.0000], grad_fn=<_FullKLBackward>)
+        >>> kl.sum().backward(); z.grad  # p (log p - log q - KL): 0.5 (-0.5662 - 0.4338), ...
+        tensor([[-0.5000,  0.5000],
+                [ 0.0000,  0.0000]])
+        >>> full_kl(torch.tensor([[2.0, 1.0, 0.0]]), torch.tensor([[0.0, 1.0, 2.0]]), sampling=Sampling(top_k=2), reference="processed")
+        tensor([inf])
+    """
+    proc = _sampling(sampling, legacy, "full_kl")
+    if reference not in REFERENCES:
+        raise ValueError(f"`reference` must be one of {REFERENCES}, got {reference!r}.")
+    check_chunk_size(chunk_size)
+    hidden = isinstance(x, FromHidden), isinstance(ref_x, FromHidden)
+    if hidden[0] != hidden[1]:
+        raise TypeError("`x` and `ref_x` must both be logits (or vocabulary shards) or both lk.FromHidden, not one of each.")
+    if hidden[0]:
+        mask = check_full_hidden_inputs(*x, *ref_x, mask)
+    else:
+        mask = check_full_inputs(x, ref_x, mask)
+    (src, part, _), (ref, ref_part, _) = _source(x, "x" if hidden[0] else "logits", proc), _source(ref_x, "ref_x" if hidden[0] else "ref_logits", proc)
+    part = same_partition(part, "weight" if hidden[0] else "logits", ref_part, "ref_weight" if hidden[0] else "ref_logits")
+    return full_kl_kernel(src, ref, None if mask is None else ~mask.reshape(-1), proc, reference, part, chunk_size)
+
+
+# ---------------------------------------------------------------------------------------------
+# deprecated names (one minor version): each warns and calls the function that replaces it
+
+
+def _deprecated(old: str, new: str) -> None:
+    warnings.warn(f"lk.{old} is deprecated: use {new}.", DeprecationWarning, stacklevel=3)
 
 
 def token_logprobs_from_hidden(
@@ -147,65 +377,31 @@ def token_logprobs_from_hidden(
     top_p: Optional[float] = None,
     min_p: Optional[float] = None,
 ) -> Tensor:
-    r"""Log-probabilities of ``tokens`` under ``softmax((hidden @ weight.T + bias) / temperature)``.
+    """Deprecated: ``lk.token_logprobs(lk.FromHidden(hidden, weight, bias), tokens, sampling=lk.Sampling(...))``.
 
-    The same as ``token_logprobs(F.linear(hidden, weight, bias), tokens, ...)`` without ever
-    making the ``[..., V]`` logits: blocks of ``chunk_size`` rows times tiles of the vocabulary are
-    made in forward and again in backward (one extra matmul), with exact gradients w.r.t.
-    ``hidden``, ``weight`` and ``bias``. A frozen head (``weight`` without grad, e.g. a reference
-    model's) costs no gradient work for it, and under ``torch.no_grad()`` nothing is kept.
-
-    The matmul runs in the inputs' dtype (the logits the model itself would make), the softmax in
-    float32. For half precision weights that need a gradient and more than ``chunk_size`` rows,
-    the weight's gradient is summed over the blocks in a ``[V, d]`` float32 buffer.
-
-    Args:
-        hidden: ``[..., d]`` the last hidden states (after the final norm).
-        weight: ``[V, d]`` the LM head (``lm_head.weight``), the dtype and device of ``hidden``; or
-            a :class:`~lightning_kl.VocabShard` of this rank's rows ``[V_local, d]`` of a
-            column-parallel head (``bias`` then its ``[V_local]`` slice, ``chunk_size`` rows per
-            chunk): the vocabulary is never gathered (:mod:`lightning_kl.kernels.vocab_parallel`).
-        tokens: ``[...]`` integer ids in ``[0, V)``.
-        bias: optional ``[V]`` head bias.
-        temperature: :math:`T > 0`, the sampling temperature.
-        ignore_index: an id whose positions get log-prob 0 and exactly zero gradient (``-100``).
-        chunk_size: rows per block (default 4096).
-        vocab_chunk_size: vocabulary entries per tile (default: about :math:`2^{22}` logits per tile on
-            CPU, :math:`2^{26}` on GPU).
-        top_k, top_p, min_p: the sampler's truncation (None: off), from
-            :func:`lightning_kl.processed_logprobs_from_hidden` (whole-vocabulary chunks of
-            ``chunk_size`` rows; ``vocab_chunk_size`` does not apply).
-
-    Returns:
-        ``[...]`` log-probabilities, float32 (float64 for float64 inputs).
-
-    Raises:
-        TypeError: for inputs that are not floating point, or tokens that are not integers.
-        ValueError: for shapes, dtypes or devices that do not match (named), an id outside
-            ``[0, V)`` that is not ``ignore_index`` (the id and ``V`` named), a bad temperature or chunk size.
-
-    Example:
-        >>> hidden = torch.tensor([[1.0, 0.0], [0.0, 2.0]], requires_grad=True)
-        >>> weight = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0]], requires_grad=True)
-        >>> lp = token_logprobs_from_hidden(hidden, weight, torch.tensor([0, 1]))
-        >>> lp  # logits [1, 0, 0] and [0, 2, 0]: 1 - log(e + 2), 2 - log(e^2 + 2)
-        tensor([-0.5514, -0.2395], grad_fn=<_TokenLogprobsFromHiddenBackward>)
-        >>> lp.sum().backward(); weight.grad  # sum over rows of outer(one-hot - softmax, hidden)
-        tensor([[ 0.4239, -0.2130],
-                [-0.2119,  0.4260],
-                [-0.2119, -0.2130]])
+    ``vocab_chunk_size`` is checked and no longer used (the engine's chunks are rows over the whole vocabulary).
     """
-    if isinstance(weight, VocabShard):
-        _refuse_truncation_on_shards(top_k, top_p, min_p)
-    elif (top_k, top_p, min_p) != (None, None, None):
-        return processed_logprobs_from_hidden(
-            hidden, weight, tokens, bias, temperature, top_k, top_p, min_p, ignore_index, chunk_size=chunk_size
-        ).logprobs
-    check_head(hidden, weight, bias)
-    temperature = check_temperature(temperature)
-    check_chunk_size(chunk_size)
+    _deprecated("token_logprobs_from_hidden", "lk.token_logprobs(lk.FromHidden(hidden, weight, bias), tokens, sampling=lk.Sampling(...))")
     check_chunk_size(vocab_chunk_size, "vocab_chunk_size")
-    if isinstance(weight, VocabShard):  # a column-parallel head's rows (docs/scale.md)
-        return vocab_parallel_token_logprobs_from_hidden(hidden, weight, bias, tokens, temperature, ignore_index, chunk_size)
-    ids, ignored = check_tokens(tokens, hidden.shape[:-1], weight.shape[0], hidden.device, "hidden", ignore_index)
-    return token_logprobs_from_hidden_kernel(hidden, weight, bias, ids, ignored, temperature, chunk_size, vocab_chunk_size)
+    proc = Sampling(temperature, top_k, top_p, min_p)
+    return _token_logprobs(FromHidden(hidden, weight, bias), tokens, proc, ignore_index, "raise", None, False, chunk_size)
+
+
+def full_kl_from_hidden(
+    hidden: Tensor,
+    weight: Tensor | VocabShard,
+    ref_hidden: Tensor,
+    ref_weight: Tensor | VocabShard,
+    mask: Optional[Tensor] = None,
+    *,
+    bias: Optional[Tensor] = None,
+    ref_bias: Optional[Tensor] = None,
+    temperature: float = 1.0,
+    chunk_size: Optional[int] = None,
+) -> Tensor:
+    """Deprecated: ``lk.full_kl(lk.FromHidden(hidden, weight, bias), lk.FromHidden(ref_hidden, ref_weight, ref_bias), mask)``."""
+    _deprecated("full_kl_from_hidden", "lk.full_kl(lk.FromHidden(hidden, weight, bias), lk.FromHidden(ref_hidden, ref_weight, ref_bias), mask)")
+    return full_kl(
+        FromHidden(hidden, weight, bias), FromHidden(ref_hidden, ref_weight, ref_bias), mask, sampling=Sampling(temperature), chunk_size=chunk_size
+    )
+

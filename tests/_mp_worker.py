@@ -35,6 +35,7 @@ from torch import Tensor, nn
 
 import lightning_kl as lk
 from lightning_kl.functional import AGG_MODES
+from _vocab import logprobs_from_hidden
 from _ddp import write_rank_record
 from _trainers import make_quiet_trainer
 
@@ -212,7 +213,7 @@ class MPProbe(pl.LightningModule):
         weight = head.weight
         if hasattr(weight, "full_tensor"):
             try:
-                lk.token_logprobs_from_hidden(torch.zeros(1, HIDDEN, dtype=weight.dtype), weight, torch.zeros(1, dtype=torch.long))
+                logprobs_from_hidden(torch.zeros(1, HIDDEN, dtype=weight.dtype), weight, torch.zeros(1, dtype=torch.long))
             except TypeError as err:
                 self.record["errors"][key] = str(err)
             head.unshard()
@@ -237,15 +238,15 @@ class MPProbe(pl.LightningModule):
         if extra == "full_tensor":
             weight = self._head().weight
             weight = weight.full_tensor() if hasattr(weight, "full_tensor") else weight
-            logprob = lk.token_logprobs_from_hidden(h, weight, tokens)
-            loss = loss_fn(logprob, lk.token_logprobs_from_hidden(ref_h, weight.detach(), tokens), mask)
+            logprob = logprobs_from_hidden(h, weight, tokens)
+            loss = loss_fn(logprob, logprobs_from_hidden(ref_h, weight.detach(), tokens), mask)
         elif hidden:
             weight = self._head_weight(key)
             if estimator == "full":
                 loss = loss_fn(lk.FromHidden(h, weight), lk.FromHidden(ref_h, weight.detach()), mask)
             else:
-                logprob = lk.token_logprobs_from_hidden(h, weight, tokens)
-                ref_logprob = lk.token_logprobs_from_hidden(ref_h, weight.detach(), tokens)
+                logprob = logprobs_from_hidden(h, weight, tokens)
+                ref_logprob = logprobs_from_hidden(ref_h, weight.detach(), tokens)
                 loss = loss_fn(logprob, ref_logprob, mask)
         elif estimator == "full":
             sampled = lk.token_logprobs(logits, tokens) if level == "sequence" else None

@@ -67,6 +67,7 @@ def _shard(x: Tensor, start: int, stop: int) -> Tensor:
 
 def run_checks(rank: int, errors: dict[str, float], raised: dict[str, str]) -> None:
     import lightning_kl as lk
+    from _vocab import kl_from_hidden, logprobs_from_hidden
     from lightning_kl.ground import checks
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -84,10 +85,10 @@ def run_checks(rank: int, errors: dict[str, float], raised: dict[str, str]) -> N
     for temperature, chunk in ((1.0, None), (0.7, 4)):
         local = _shard(z, offset, offset + size)
         dt = DTensor.from_local(local, mesh, [Shard(-1)], run_check=False, shape=z.shape, stride=z.stride())
-        lp = lk.token_logprobs(dt, tokens, temperature=temperature, ignore_index=-100, chunk_size=chunk)
+        lp = lk.token_logprobs(dt, tokens, sampling=lk.Sampling(temperature), ignore_index=-100, chunk_size=chunk)
         (lp * weights).sum().backward()
         ref_z = z.clone().requires_grad_()
-        ref = lk.token_logprobs(ref_z, tokens, temperature=temperature, ignore_index=-100)
+        ref = lk.token_logprobs(ref_z, tokens, sampling=lk.Sampling(temperature), ignore_index=-100)
         (ref * weights).sum().backward()
         formula_z = z.clone().requires_grad_()
         formula = _formula_logprobs(formula_z, tokens, temperature)
@@ -126,10 +127,10 @@ def run_checks(rank: int, errors: dict[str, float], raised: dict[str, str]) -> N
         loc, loc_ref = _shard(zp, offset, offset + size), _shard(zr, offset, offset + size)
         dz = DTensor.from_local(loc, mesh, [Shard(-1)], run_check=False, shape=z.shape, stride=z.stride())
         dr = DTensor.from_local(loc_ref, mesh, [Shard(-1)], run_check=False, shape=z.shape, stride=z.stride())
-        kl = lk.full_kl(dz, dr, mask, temperature=temperature, chunk_size=chunk)
+        kl = lk.full_kl(dz, dr, mask, sampling=lk.Sampling(temperature), chunk_size=chunk)
         (kl * weights).sum().backward()
         ref_z, ref_r = zp.clone().requires_grad_(), zr.clone().requires_grad_()
-        ref = lk.full_kl(ref_z, ref_r, mask, temperature=temperature)
+        ref = lk.full_kl(ref_z, ref_r, mask, sampling=lk.Sampling(temperature))
         (ref * weights).sum().backward()
         tag = f"full_kl_dtensor_T{temperature}_chunk{chunk}"
         _close(errors, f"{tag}_value", kl, ref)
@@ -141,7 +142,7 @@ def run_checks(rank: int, errors: dict[str, float], raised: dict[str, str]) -> N
         formula = _formula_kl(clean, zr_f, mask, temperature)
         (formula * weights).sum().backward()
         loc2, loc2_ref = _shard(z, offset, offset + size), _shard(zr, offset, offset + size)
-        kl2 = lk.full_kl(lk.VocabShard(loc2, group, offset), lk.VocabShard(loc2_ref, group, offset), mask, temperature=temperature, chunk_size=chunk)
+        kl2 = lk.full_kl(lk.VocabShard(loc2, group, offset), lk.VocabShard(loc2_ref, group, offset), mask, sampling=lk.Sampling(temperature), chunk_size=chunk)
         (kl2 * weights).sum().backward()
         _close(errors, f"{tag}_value_formula", kl2, formula)
         _close(errors, f"{tag}_grad_formula", loc2.grad, clean.grad[..., offset : offset + size])
@@ -187,10 +188,10 @@ def run_checks(rank: int, errors: dict[str, float], raised: dict[str, str]) -> N
     rows = slice(offset, offset + size)
     for temperature, chunk in ((1.0, None), (0.8, 4)):
         leaves = [x.clone().requires_grad_() for x in (h, w[rows], bias[rows])]
-        lp = lk.token_logprobs_from_hidden(leaves[0], lk.VocabShard(leaves[1], group, offset), tokens, bias=leaves[2], temperature=temperature, ignore_index=-100, chunk_size=chunk)
+        lp = logprobs_from_hidden(leaves[0], lk.VocabShard(leaves[1], group, offset), tokens, bias=leaves[2], temperature=temperature, ignore_index=-100, chunk_size=chunk)
         (lp * weights).sum().backward()
         ref_leaves = [x.clone().requires_grad_() for x in (h, w, bias)]
-        ref = lk.token_logprobs_from_hidden(ref_leaves[0], ref_leaves[1], tokens, bias=ref_leaves[2], temperature=temperature, ignore_index=-100)
+        ref = logprobs_from_hidden(ref_leaves[0], ref_leaves[1], tokens, bias=ref_leaves[2], temperature=temperature, ignore_index=-100)
         (ref * weights).sum().backward()
         tag = f"hidden_logprobs_T{temperature}_chunk{chunk}"
         _close(errors, f"{tag}_value", lp, ref)
@@ -200,7 +201,7 @@ def run_checks(rank: int, errors: dict[str, float], raised: dict[str, str]) -> N
 
         hp = torch.where(mask.unsqueeze(-1), h, float("nan"))
         leaves = [x.clone().requires_grad_() for x in (hp, w[rows], bias[rows], hr, wr[rows])]
-        kl = lk.full_kl_from_hidden(
+        kl = kl_from_hidden(
             leaves[0], lk.VocabShard(leaves[1], group, offset), leaves[3], lk.VocabShard(leaves[4], group, offset), mask,
             bias=leaves[2], ref_bias=rbias[rows], temperature=temperature, chunk_size=chunk,
         )
@@ -209,7 +210,7 @@ def run_checks(rank: int, errors: dict[str, float], raised: dict[str, str]) -> N
                                               lk.FromHidden(leaves[3], lk.VocabShard(leaves[4], group, offset), rbias[rows]), mask)
         loss.backward()
         ref_leaves = [x.clone().requires_grad_() for x in (hp, w, bias, hr, wr)]
-        ref = lk.full_kl_from_hidden(ref_leaves[0], ref_leaves[1], ref_leaves[3], ref_leaves[4], mask, bias=ref_leaves[2], ref_bias=rbias, temperature=temperature)
+        ref = kl_from_hidden(ref_leaves[0], ref_leaves[1], ref_leaves[3], ref_leaves[4], mask, bias=ref_leaves[2], ref_bias=rbias, temperature=temperature)
         ref_fn = lk.KLPenaltyLoss("full", agg="token-mean", sampling=lk.Sampling(temperature=temperature))
         ref_loss = (ref * weights).sum() + ref_fn(lk.FromHidden(ref_leaves[0], ref_leaves[1], ref_leaves[2]), lk.FromHidden(ref_leaves[3], ref_leaves[4], rbias), mask)
         ref_loss.backward()
@@ -219,6 +220,54 @@ def run_checks(rank: int, errors: dict[str, float], raised: dict[str, str]) -> N
         for i, what in enumerate(("hidden", "weight", "bias", "ref_hidden", "ref_weight")):
             want = ref_leaves[i].grad if what in ("hidden", "ref_hidden") else ref_leaves[i].grad[rows]
             _close(errors, f"{tag}_grad_{what}", leaves[i].grad, want)
+
+    # --- the token entropy: a DTensor (6 + 5, NaN padding, -inf entries), a VocabShard where rank 1
+    # holds no vocabulary (11 + 0), a column-parallel head; value and gradients against one process
+    # (itself tested against float64 formulas, test_engine_matrix.py) and, on clean rows, the formula
+    for temperature, chunk in ((1.0, None), (0.6, 4)):
+        sampling = lk.Sampling(temperature)
+        loc = _shard(zp, offset, offset + size)
+        dz = DTensor.from_local(loc, mesh, [Shard(-1)], run_check=False, shape=z.shape, stride=z.stride())
+        ent = lk.token_entropy(dz, mask, sampling=sampling, chunk_size=chunk)
+        (ent * weights).sum().backward()
+        ref_z = zp.clone().requires_grad_()
+        ref = lk.token_entropy(ref_z, mask, sampling=sampling)
+        (ref * weights).sum().backward()
+        clean = z.clone().requires_grad_()
+        logp = torch.log_softmax(clean / temperature, -1)
+        formula = torch.where(mask, -(logp.exp() * logp).sum(-1), 0.0)
+        (formula * weights).sum().backward()
+        loc_c = _shard(z, offset, offset + size)
+        ent_c = lk.token_entropy(lk.VocabShard(loc_c, group, offset), mask, sampling=sampling, chunk_size=chunk)
+        (ent_c * weights).sum().backward()
+        tag = f"entropy_T{temperature}_chunk{chunk}"
+        _close(errors, f"{tag}_value", ent, ref)
+        _close(errors, f"{tag}_grad", loc.grad, ref_z.grad[..., offset : offset + size])
+        _close(errors, f"{tag}_value_formula", ent_c, formula)
+        _close(errors, f"{tag}_grad_formula", loc_c.grad, clean.grad[..., offset : offset + size])
+    start, stop = (0, vocab) if rank == 0 else (vocab, vocab)
+    loc = z[..., start:stop].detach().clone().requires_grad_()
+    ent = lk.token_entropy(lk.VocabShard(loc, group, start), mask, chunk_size=4)
+    (ent * weights).sum().backward()
+    ref_z = z.clone().requires_grad_()
+    ref = lk.token_entropy(ref_z, mask)
+    (ref * weights).sum().backward()
+    _close(errors, "entropy_empty_shard_value", ent, ref)
+    _close(errors, "entropy_empty_shard_grad", loc.grad, ref_z.grad[..., start:stop])
+    leaves = [x.clone().requires_grad_() for x in (hp, w[rows], bias[rows])]
+    ent = lk.token_entropy(lk.FromHidden(leaves[0], lk.VocabShard(leaves[1], group, offset), leaves[2]), mask, sampling=lk.Sampling(0.9), chunk_size=4)
+    (ent * weights).sum().backward()
+    ref_leaves = [x.clone().requires_grad_() for x in (hp, w, bias)]
+    ref = lk.token_entropy(lk.FromHidden(*ref_leaves), mask, sampling=lk.Sampling(0.9))
+    (ref * weights).sum().backward()
+    _close(errors, "entropy_hidden_value", ent, ref)
+    for i, what in enumerate(("hidden", "weight", "bias")):
+        _close(errors, f"entropy_hidden_grad_{what}", leaves[i].grad, ref_leaves[i].grad if i == 0 else ref_leaves[i].grad[rows])
+    # without truncation the three references are one KL
+    for reference in ("processed", "policy_kept"):
+        loc, loc_ref = _shard(zp, offset, offset + size), _shard(zr, offset, offset + size)
+        kl = lk.full_kl(lk.VocabShard(loc, group, offset), lk.VocabShard(loc_ref, group, offset), mask, reference=reference, chunk_size=4)
+        _close(errors, f"kl_reference_{reference}", kl, lk.full_kl(zp, zr, mask))
 
     # --- bfloat16 shards: the maths in float32, gradients in bfloat16, as one process on the same values
     zb, zrb = z.to(torch.bfloat16), zr.to(torch.bfloat16)
@@ -281,8 +330,8 @@ def run_checks(rank: int, errors: dict[str, float], raised: dict[str, str]) -> N
         lp = lk.token_logprobs(dz, tokens, ignore_index=-100, chunk_size=4)
         kl = lk.full_kl(dz, dr, mask, chunk_size=4)
         hl, wl = h.clone().requires_grad_(), w[rows].clone().requires_grad_()
-        lp_h = lk.token_logprobs_from_hidden(hl, lk.VocabShard(wl, group, offset), tokens, ignore_index=-100, chunk_size=4)
-        kl_h = lk.full_kl_from_hidden(hl, lk.VocabShard(wl, group, offset), hr, lk.VocabShard(wr[rows], group, offset), mask, chunk_size=4)
+        lp_h = logprobs_from_hidden(hl, lk.VocabShard(wl, group, offset), tokens, ignore_index=-100, chunk_size=4)
+        kl_h = kl_from_hidden(hl, lk.VocabShard(wl, group, offset), hr, lk.VocabShard(wr[rows], group, offset), mask, chunk_size=4)
         (lp.sum() + kl.sum() + lp_h.sum() + kl_h.sum()).backward()
         try:
             lk.token_logprobs(dz, tokens.masked_fill(tokens == -100, vocab))

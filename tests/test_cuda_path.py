@@ -18,8 +18,9 @@ import torch
 import lightning_kl.ground.chunks as chunks
 from lightning_kl.estimators import parse_estimator
 from lightning_kl.kernels import fused
+from lightning_kl.ground.sampler import Sampling
+from lightning_kl.kernels import engine
 from lightning_kl.kernels import full as full_kernel
-from lightning_kl.kernels import logprobs as logprobs_kernel
 
 V, N, D = 151_936, 1000, 64
 META, CUDA, CPU = torch.device("meta"), torch.device("cuda"), torch.device("cpu")
@@ -38,7 +39,7 @@ def handed(monkeypatch: pytest.MonkeyPatch) -> list[tuple[list[Any], torch.devic
         seen.append((list(items), device))
         raise Handed
 
-    for module in (fused, full_kernel, logprobs_kernel):
+    for module in (fused, engine):
         monkeypatch.setattr(module, "run_chunks", record)
     return seen
 
@@ -63,32 +64,32 @@ def test_off_the_cpu_the_chunks_run_in_order_in_the_calling_thread_with_one_stat
     assert threads == {threading.current_thread().name}
 
 
+def _logprobs(x, ids, weight=None):
+    return engine.token_logprobs_kernel(engine.Tensors(x, weight), ids, None, Sampling())
+
+
 def test_token_logprobs_chunks_are_sized_for_the_device(handed):
     ids = torch.zeros(N, dtype=torch.long)
     with pytest.raises(Handed):
-        logprobs_kernel.token_logprobs_kernel(torch.empty(N, V, device=META), ids.to(META), None, 1.0, None)
+        _logprobs(torch.empty(N, V, device=META), ids.to(META))
     with pytest.raises(Handed):  # a CPU tensor of that shape without its memory: stride 0
-        logprobs_kernel.token_logprobs_kernel(torch.zeros(()).expand(N, V), ids, None, 1.0, None)
+        _logprobs(torch.zeros(()).expand(N, V), ids)
     (gpu_items, gpu_device), (cpu_items, _) = handed
     assert gpu_device == META
     assert [_rows(i) for i in gpu_items] == [220] * 4 + [120]  # 2^25 // V = 220 rows
     assert _rows(cpu_items[0]) == 3 and len(cpu_items) == 334  # 2^19 // V = 3 rows
 
 
-def test_token_logprobs_from_hidden_tiles_are_sized_for_the_device(handed):
+def test_token_logprobs_from_hidden_chunks_are_sized_for_the_device(handed):
     ids = torch.zeros(N, dtype=torch.long)
     with pytest.raises(Handed):
-        logprobs_kernel.token_logprobs_from_hidden_kernel(
-            torch.empty(N, D, device=META), torch.empty(V, D, device=META), None, ids.to(META), None, 1.0, None, None
-        )
+        _logprobs(torch.empty(N, D, device=META), ids.to(META), torch.empty(V, D, device=META))
     with pytest.raises(Handed):
-        logprobs_kernel.token_logprobs_from_hidden_kernel(
-            torch.zeros(()).expand(N, D), torch.zeros(()).expand(V, D), None, ids, None, 1.0, None, None
-        )
-    (gpu_tiles, _), (cpu_tiles, _) = handed
-    # one block of 1000 rows; tiles of 2^26 // 1000 = 67,108 entries on GPU, 2^22 // 1000 = 4,194 on CPU
-    assert [c.stop - c.start for _, c in gpu_tiles] == [67108, 67108, V - 2 * 67108]
-    assert cpu_tiles[0][1].stop == 4194 and len(cpu_tiles) == -(-V // 4194)
+        _logprobs(torch.zeros(()).expand(N, D), ids, torch.zeros(()).expand(V, D))
+    (gpu_items, _), (cpu_items, _) = handed
+    # rows over the whole vocabulary: max(16, 2^25 // V) = 220 on GPU, max(16, 2^23 // V) = 55 on CPU
+    assert [_rows(i) for i in gpu_items] == [220] * 4 + [120]
+    assert _rows(cpu_items[0]) == 55 and len(cpu_items) == -(-N // 55)
 
 
 def test_full_kl_chunks_are_sized_for_the_device(handed):

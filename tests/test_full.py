@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, Dataset
 import lightning_kl as lk
 from lightning_kl.functional import AGG_MODES
 from lightning_kl.estimators import ESTIMATORS, EstimatorSpec, SAMPLED_ESTIMATORS, parse_estimator
-from lightning_kl.kernels.full import full_kl
+from lightning_kl import Sampling, full_kl
 
 # gradients toward the reference are checked here on purpose: its warning is expected
 pytestmark = pytest.mark.filterwarnings("ignore:`ref_[a-z]*` requires grad")
@@ -81,7 +81,7 @@ def test_values_and_gradients_match_float64(shape, temperature, chunk_size):
     z64, zr64 = logits(*shape), logits(*shape, seed=1)
     w = logits(*shape[:-1], seed=2, scale=1.0)  # a weighted sum: each token's gradient is scaled
     z, zr = z64.float().requires_grad_(), zr64.float().requires_grad_()
-    kl = full_kl(z, zr, temperature=temperature, chunk_size=chunk_size)
+    kl = full_kl(z, zr, sampling=Sampling(temperature), chunk_size=chunk_size)
     assert kl.shape == shape[:-1] and kl.dtype == torch.float32
     (kl * w.float()).sum().backward()
     want, grad_z, grad_zr = reference(z.detach(), zr.detach(), temperature)
@@ -218,7 +218,7 @@ def test_forward_and_backward_make_no_tensor_larger_than_a_chunk_but_the_gradien
     mask = torch.arange(n) % 5 != 0
     log = _AllocationLog()
     with log:
-        kl = full_kl(z, zr, mask, temperature=temperature, chunk_size=chunk)
+        kl = full_kl(z, zr, mask, sampling=Sampling(temperature), chunk_size=chunk)
         kl.sum().backward()
     big = [s for s in log.sizes if s[1] > chunk * vocab]
     assert len(big) == 1 + ref_grad, big  # the gradient buffers, nothing else

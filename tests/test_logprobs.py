@@ -15,7 +15,8 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 import lightning_kl as lk
-from lightning_kl.kernels import logprobs as kernel
+from _vocab import kl_from_hidden, logprobs_from_hidden
+from lightning_kl.kernels import engine as kernel
 
 # gradients toward the reference are checked here on purpose: its warning is expected
 pytestmark = pytest.mark.filterwarnings("ignore:`ref_[a-z]*` requires grad")
@@ -55,7 +56,7 @@ def make(shape, vocab, dtype, seed=0, ignore_frac=0.0):
 def check_against_reference(logits, tokens, upstream, temperature=1.0, ignore_index=None, chunk_size=None):
     """Value and logits gradient of the kernel vs the float64 reference."""
     x = logits.detach().clone().requires_grad_()
-    lp = lk.token_logprobs(x, tokens, temperature=temperature, ignore_index=ignore_index, chunk_size=chunk_size)
+    lp = lk.token_logprobs(x, tokens, sampling=lk.Sampling(temperature), ignore_index=ignore_index, chunk_size=chunk_size)
     assert lp.shape == tokens.shape
     assert lp.dtype == (torch.float64 if logits.dtype == torch.float64 else torch.float32)
     lp.backward(upstream.to(lp.dtype))
@@ -136,7 +137,7 @@ def test_empty_batch(shape):
     assert logits.grad is not None and logits.grad.shape == logits.shape
     hidden = torch.randn(*shape, 4, requires_grad=True)
     weight = torch.randn(7, 4, requires_grad=True)
-    lp = lk.token_logprobs_from_hidden(hidden, weight, tokens)
+    lp = logprobs_from_hidden(hidden, weight, tokens)
     assert lp.shape == shape
     lp.sum().backward()
     assert hidden.grad.shape == hidden.shape and (weight.grad == 0).all()
@@ -168,8 +169,8 @@ def test_from_hidden_keeps_no_logits_for_backward():
     hidden, weight, bias = make_head((8,), 4, 300, torch.float32, seed=34)
     h, w = hidden.requires_grad_(), weight.requires_grad_()
     tokens = torch.randint(0, 300, (8,))
-    lp = lk.token_logprobs_from_hidden(h, w, tokens, bias, vocab_chunk_size=64)
-    kl = lk.full_kl_from_hidden(h, w, hidden.detach(), weight.detach() * 0.5, chunk_size=3)
+    lp = logprobs_from_hidden(h, w, tokens, bias, vocab_chunk_size=64)
+    kl = kl_from_hidden(h, w, hidden.detach(), weight.detach() * 0.5, chunk_size=3)
     for out in (lp, kl):
         saved = [t for t in out.grad_fn.saved_tensors if t is not None]
         assert saved and max(t.numel() for t in saved) == w.numel() < 8 * 300
@@ -178,7 +179,7 @@ def test_from_hidden_keeps_no_logits_for_backward():
 def test_full_from_hidden_empty_batch():
     h = torch.randn(0, 3, requires_grad=True)
     w = torch.randn(5, 3, requires_grad=True)
-    kl = lk.full_kl_from_hidden(h, w, torch.randn(0, 3), torch.randn(5, 3))
+    kl = kl_from_hidden(h, w, torch.randn(0, 3), torch.randn(5, 3))
     kl.sum().backward()
     assert kl.shape == (0,) and h.grad.shape == (0, 3) and (w.grad == 0).all()
 
@@ -203,7 +204,7 @@ def test_bad_ids_name_the_id_and_the_vocabulary():
     with pytest.raises(ValueError, match=r"token id -1 .*V=5"):
         lk.token_logprobs(logits, torch.tensor([[0, -1, 1], [2, 3, -100]]), ignore_index=-100)
     with pytest.raises(ValueError, match=r"token id 5 .*V=5"):
-        lk.token_logprobs_from_hidden(torch.randn(2, 3, 4), torch.randn(5, 4), torch.tensor([[0, 1, 1], [2, 3, 5]]))
+        logprobs_from_hidden(torch.randn(2, 3, 4), torch.randn(5, 4), torch.tensor([[0, 1, 1], [2, 3, 5]]))
 
 
 @pytest.mark.parametrize(
@@ -220,13 +221,17 @@ def test_bad_ids_name_the_id_and_the_vocabulary():
         (dict(temperature=float("inf")), ValueError, "`temperature`"),
         (dict(chunk_size=0), ValueError, "`chunk_size` must be a positive integer or None, got 0"),
         (dict(ignore_index=True), TypeError, "`ignore_index` must be an int or None, got True"),
+        (dict(sampling=0.7), TypeError, "`sampling` must be an lk.Sampling or None, got float"),
+        (dict(outside="drop"), ValueError, "`outside` must be one of"),
     ],
 )
 def test_bad_logits_inputs(kwargs, error, match):
     args = dict(logits=torch.randn(2, 3, 5), tokens=torch.zeros(2, 3, dtype=torch.long))
     args.update(kwargs)
     with pytest.raises(error, match=match):
-        lk.token_logprobs(**args)
+        if "temperature" in args:  # the sampler is validated when it is built
+            args["sampling"] = lk.Sampling(args.pop("temperature"))
+        lk.token_logprobs(args.pop("logits"), **args)
 
 
 @pytest.mark.parametrize(
@@ -241,14 +246,14 @@ def test_bad_logits_inputs(kwargs, error, match):
         (dict(bias=torch.zeros(5, dtype=torch.long)), TypeError, "`bias` must be a floating point tensor"),
         (dict(hidden=torch.randn(2, 3, 4).long()), TypeError, "`hidden` must be a floating point tensor"),
         (dict(tokens=torch.zeros(3, 2, dtype=torch.long)), ValueError, r"tokens \(3, 2\) and hidden"),
-        (dict(vocab_chunk_size=-1), ValueError, "`vocab_chunk_size` must be a positive integer"),
+        (dict(chunk_size=-1), ValueError, "`chunk_size` must be a positive integer"),
     ],
 )
 def test_bad_hidden_inputs(kwargs, error, match):
     args = dict(hidden=torch.randn(2, 3, 4), weight=torch.randn(5, 4), tokens=torch.zeros(2, 3, dtype=torch.long))
     args.update(kwargs)
     with pytest.raises(error, match=match):
-        lk.token_logprobs_from_hidden(**args)
+        logprobs_from_hidden(**args)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -281,7 +286,7 @@ def check_hidden(hidden, weight, bias, tokens, upstream, temperature=1.0, ignore
     h = hidden.detach().clone().requires_grad_()
     w = weight.detach().clone().requires_grad_()
     b = None if bias is None else bias.detach().clone().requires_grad_()
-    lp = lk.token_logprobs_from_hidden(h, w, tokens, b, temperature=temperature, ignore_index=ignore_index, **chunks)
+    lp = logprobs_from_hidden(h, w, tokens, b, temperature=temperature, ignore_index=ignore_index, **chunks)
     assert lp.shape == tokens.shape
     lp.backward(upstream.to(lp.dtype))
     ref, gh, gw, gb = hidden_reference(hidden, weight, bias, tokens, upstream, temperature, ignore_index)
@@ -324,7 +329,7 @@ def test_hidden_nan_at_ignored_positions_stays_out():
     tokens = torch.tensor([[1, IGNORE, 2, 3], [IGNORE, 0, 6, 5]])
     hidden[tokens == IGNORE] = float("nan")
     h, w, b = (x.clone().requires_grad_() for x in (hidden, weight, bias))
-    lp = lk.token_logprobs_from_hidden(h, w, tokens, b, ignore_index=IGNORE, chunk_size=3, vocab_chunk_size=4)
+    lp = logprobs_from_hidden(h, w, tokens, b, ignore_index=IGNORE, chunk_size=3, vocab_chunk_size=4)
     lp.sum().backward()
     assert (lp[tokens == IGNORE] == 0).all() and not lp.isnan().any()
     assert not w.grad.isnan().any() and not b.grad.isnan().any() and (h.grad[tokens == IGNORE] == 0).all()
@@ -334,13 +339,13 @@ def test_frozen_head_gets_no_gradient():
     hidden, weight, bias = make_head((2, 5), 4, 11, torch.float32, seed=11)
     _, tokens, upstream = make((2, 5), 11, torch.float32, seed=12)
     # a reference model: nothing needs a gradient, so no graph at all
-    ref = lk.token_logprobs_from_hidden(hidden, weight, tokens, bias)
+    ref = logprobs_from_hidden(hidden, weight, tokens, bias)
     assert not ref.requires_grad and ref.grad_fn is None
     with torch.no_grad():
-        assert lk.token_logprobs_from_hidden(hidden, weight, tokens, bias).grad_fn is None
+        assert logprobs_from_hidden(hidden, weight, tokens, bias).grad_fn is None
     # a frozen head under a trainable trunk: the hidden states' gradient only, and no dW matmul
     h = hidden.clone().requires_grad_()
-    lp = lk.token_logprobs_from_hidden(h, weight, tokens, bias, chunk_size=4, vocab_chunk_size=3)
+    lp = logprobs_from_hidden(h, weight, tokens, bias, chunk_size=4, vocab_chunk_size=3)
     lp.backward(upstream.float())
     assert weight.grad is None and bias.grad is None
     _, gh, _, _ = hidden_reference(hidden, weight, bias, tokens, upstream)
@@ -353,7 +358,7 @@ def count_matmuls(monkeypatch, hidden, weight, tokens, **chunks) -> int:
     for name in ("mm", "addmm"):
         real = getattr(torch, name)
         monkeypatch.setattr(torch, name, lambda *a, _real=real, **k: calls.append(1) or _real(*a, **k))
-    lp = lk.token_logprobs_from_hidden(hidden, weight, tokens, **chunks)
+    lp = logprobs_from_hidden(hidden, weight, tokens, **chunks)
     lp.sum().backward()
     monkeypatch.undo()
     return len(calls)
@@ -364,19 +369,19 @@ def test_frozen_head_skips_the_weight_matmuls(monkeypatch, chunk_size):
     hidden, weight, _ = make_head((2, 5), 4, 11, torch.float32, seed=11, bias=False)
     tokens = torch.randint(0, 11, (2, 5))
     chunks = dict(chunk_size=chunk_size, vocab_chunk_size=3)
-    n_tiles = (3 if chunk_size else 1) * 4  # blocks of rows x tiles of 3 of the 11 entries
+    n_tiles = 3 if chunk_size else 1  # chunks of rows over the whole vocabulary: 10 rows by 4, or one chunk
     frozen = count_matmuls(monkeypatch, hidden.clone().requires_grad_(), weight, tokens, **chunks)
     both = count_matmuls(monkeypatch, hidden.clone().requires_grad_(), weight.clone().requires_grad_(), tokens, **chunks)
     head_only = count_matmuls(monkeypatch, hidden, weight.clone().requires_grad_(), tokens, **chunks)
-    # one matmul per tile for dh, one for dW: a frozen head costs exactly the dh ones
+    # one matmul per chunk for dh, one for dW: a frozen head costs exactly the dh ones
     assert (frozen, both, head_only) == (n_tiles, 2 * n_tiles, n_tiles)
 
 
 def test_hidden_agrees_with_logits_path():
     hidden, weight, bias = make_head((3, 4), 8, 17, torch.float32, seed=13)
     _, tokens, _ = make((3, 4), 17, torch.float32, seed=14)
-    a = lk.token_logprobs_from_hidden(hidden, weight, tokens, bias, temperature=0.9, chunk_size=5, vocab_chunk_size=6)
-    b = lk.token_logprobs(F.linear(hidden, weight, bias), tokens, temperature=0.9)
+    a = logprobs_from_hidden(hidden, weight, tokens, bias, temperature=0.9, chunk_size=5, vocab_chunk_size=6)
+    b = lk.token_logprobs(F.linear(hidden, weight, bias), tokens, sampling=lk.Sampling(0.9))
     torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
@@ -401,7 +406,7 @@ class TinyLM(L.LightningModule):
         labels = batch["labels"][:, 1:]  # shifted by one, -100 on padding
         valid = labels != -100
         if self.from_hidden:
-            lp = lk.token_logprobs_from_hidden(hidden, self.head.weight, labels, self.head.bias, ignore_index=-100)
+            lp = logprobs_from_hidden(hidden, self.head.weight, labels, self.head.bias, ignore_index=-100)
             kl = self.kl(
                 lk.FromHidden(hidden, self.head.weight, self.head.bias),
                 lk.FromHidden(hidden.detach(), self.ref_head.weight, self.ref_head.bias),
@@ -470,7 +475,7 @@ def check_full_hidden(dtype, temperature=1.0, mask=None, ref_grad=False, shape=(
     ref = make_head(shape, d + 1, vocab, dtype, seed=21)
     upstream = torch.randn(shape, generator=torch.Generator().manual_seed(22), dtype=torch.float64)
     leaves = [x.clone().requires_grad_() for x in pol] + [x.clone().requires_grad_(ref_grad) for x in ref]
-    kl = lk.full_kl_from_hidden(*leaves[0:2], *leaves[3:5], mask, bias=leaves[2], ref_bias=leaves[5], temperature=temperature, **kw)
+    kl = kl_from_hidden(*leaves[0:2], *leaves[3:5], mask, bias=leaves[2], ref_bias=leaves[5], temperature=temperature, **kw)
     assert kl.shape == shape and kl.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     kl.backward(upstream.to(kl.dtype))
     # reference: the logits each head makes in its dtype, gradients through float64 heads
@@ -517,14 +522,14 @@ def test_full_from_hidden_never_reads_masked_positions():
     h[~mask] = float("nan")
     h.requires_grad_()
     w = pol[1].clone().requires_grad_()
-    kl = lk.full_kl_from_hidden(h, w, ref[0], ref[1], mask, chunk_size=3)
+    kl = kl_from_hidden(h, w, ref[0], ref[1], mask, chunk_size=3)
     kl.sum().backward()
     assert not kl.isnan().any() and not w.grad.isnan().any() and (h.grad[~mask] == 0).all()
 
 
 def test_full_from_hidden_equals_full_of_the_logits_and_reads_layouts():
     (h, w, b), (hr, wr, br) = make_head((4, 6), 5, 9, torch.float32, seed=26), make_head((4, 6), 5, 9, torch.float32, seed=27)
-    got = lk.full_kl_from_hidden(h[:, :-1], w, hr[:, :-1], wr, bias=b, ref_bias=br, chunk_size=3)
+    got = kl_from_hidden(h[:, :-1], w, hr[:, :-1], wr, bias=b, ref_bias=br, chunk_size=3)
     want = lk.full_kl(F.linear(h, w, b)[:, :-1], F.linear(hr, wr, br)[:, :-1])
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
@@ -550,11 +555,11 @@ def test_loss_rejects_mixed_or_sampled_hidden_inputs():
     with pytest.raises(TypeError, match=r"got 'k3\+'.*token_logprobs_from_hidden"):
         lk.KLPenaltyLoss("k3+")(lk.FromHidden(h, w), lk.FromHidden(h, w))
     with pytest.raises(ValueError, match=r"logits of one shape.*ref_weight \(6, 4\)"):
-        lk.full_kl_from_hidden(h, w, h, torch.randn(6, 4))
+        kl_from_hidden(h, w, h, torch.randn(6, 4))
     with pytest.raises(ValueError, match=r"`mask` must have the shape of `hidden` without the hidden dimension"):
-        lk.full_kl_from_hidden(h, w, h, w, torch.ones(2, 4, dtype=torch.bool))
+        kl_from_hidden(h, w, h, w, torch.ones(2, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"`ref_weight` must be the LM head"):
-        lk.full_kl_from_hidden(h, w, h, torch.randn(5, 3))
+        kl_from_hidden(h, w, h, torch.randn(5, 3))
 
 
 def test_hugging_face_causal_lm_shifted_labels_match_its_own_loss():
@@ -576,7 +581,7 @@ def test_hugging_face_causal_lm_shifted_labels_match_its_own_loss():
     lp = lk.token_logprobs(out.logits[:, :-1], targets, ignore_index=-100)
     torch.testing.assert_close(-lp[valid].mean(), out.loss)  # HF's mean cross-entropy over valid labels
     hidden = out.hidden_states[-1][:, :-1]  # after the final norm: lm_head(hidden) are the logits
-    lp_h = lk.token_logprobs_from_hidden(hidden, model.lm_head.weight, targets, ignore_index=-100)
+    lp_h = logprobs_from_hidden(hidden, model.lm_head.weight, targets, ignore_index=-100)
     torch.testing.assert_close(lp_h, lp, rtol=1e-5, atol=1e-6)
     (g_logits,) = torch.autograd.grad(-lp[valid].mean(), model.lm_head.weight, retain_graph=True)
     (g_hidden,) = torch.autograd.grad(-lp_h[valid].mean(), model.lm_head.weight)

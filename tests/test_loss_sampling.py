@@ -137,10 +137,35 @@ def test_from_hidden_is_the_dense_formula_at_both_levels(level: str, temperature
     assert_close(values, torch.where(mask, _dense_kl(h @ w.T, hr @ wr.T, sampling), 0.0), rtol=1e-10, atol=1e-12)
 
 
-def test_a_truncating_sampler_from_hidden_states_is_refused_by_name() -> None:
-    h, w = torch.randn(1, 2, D), torch.randn(V, D)
-    with pytest.raises(ValueError, match=r"truncating sampler .*top_p=0.9.* not available from hidden states"):
-        lk.KLPenaltyLoss("full", sampling=lk.Sampling(top_p=0.9))(lk.FromHidden(h, w), lk.FromHidden(h, w), torch.ones(1, 2, dtype=torch.bool))
+@pytest.mark.filterwarnings("ignore:`ref_(hidden|logits)` requires grad")  # the reference side's gradient is checked too
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_a_truncating_sampler_from_hidden_states_equals_the_same_from_their_logits(level: str) -> None:
+    """The engine makes the logits from the head chunk by chunk: the loss from ``FromHidden`` is the loss
+    of ``hidden @ weight.T + bias``, values and gradients (hidden states, head and bias), in float64."""
+    g = torch.Generator().manual_seed(7)
+    h, rh = torch.randn(2, 3, D, generator=g, dtype=F64), torch.randn(2, 3, D, generator=g, dtype=F64)
+    w, rw = torch.randn(V, D, generator=g, dtype=F64), torch.randn(V, D, generator=g, dtype=F64)
+    b = torch.randn(V, generator=g, dtype=F64)
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    tokens = torch.randint(0, V, (2, 3), generator=g)
+    s = lk.Sampling(temperature=0.8, top_p=0.9, top_k=V - 2)
+    agg = "token-mean" if level == "token" else "seq-mean-token-sum"
+    results = []
+    for from_hidden in (True, False):
+        leaves = [x.clone().requires_grad_() for x in (h, w, b, rh, rw)]
+        hh, ww, bb, rhh, rww = leaves
+        logits, ref_logits = hh @ ww.T + bb, rhh @ rww.T
+        x, ref_x = (lk.FromHidden(hh, ww, bb), lk.FromHidden(rhh, rww)) if from_hidden else (logits, ref_logits)
+        extra = {}
+        if level == "sequence":
+            # the processed log-probs of the sampled tokens (outside the kept set: -inf, masked here)
+            lp = lk.token_logprobs(logits, tokens, sampling=s, outside="-inf")
+            extra["sampled_logprob"] = lp.masked_fill(~torch.isfinite(lp), -1.0)
+        loss = lk.KLPenaltyLoss("full", coef=1.0, agg=agg, level=level, sampling=s)(x, ref_x, mask, **extra)
+        results.append((loss.detach(), *torch.autograd.grad(loss, leaves)))
+    for a, c in zip(*results):
+        assert_close(a, c, rtol=1e-10, atol=1e-12)
+    assert results[0][0] > 0
 
 
 def test_temperature_on_the_loss_and_kl_penalty_is_deprecated_for_sampling() -> None:

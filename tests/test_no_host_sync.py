@@ -21,6 +21,7 @@ from torch import Tensor
 from torch.testing import assert_close
 
 import lightning_kl as lk
+from _vocab import kl_from_hidden, logprobs_from_hidden, processed, processed_from_hidden, processed_kl
 
 # the reference side is differentiated on purpose here: its gradient is checked too
 pytestmark = pytest.mark.filterwarnings("ignore:`ref_[a-z]*` requires grad")
@@ -102,46 +103,48 @@ PROC = {"temperature": 0.9, "top_k": 20, "top_p": 0.6}
 # each case: (leaves that get gradients, function of them) -> per-token values
 CASES: dict[str, tuple[tuple[str, ...], Callable[..., Tensor]]] = {
     "token_logprobs": (("z",), lambda x, z: lk.token_logprobs(z, x["tokens"], ignore_index=-100, chunk_size=4)),
-    "token_logprobs_T": (("z",), lambda x, z: lk.token_logprobs(z[:, :-1], x["tokens"][:, :-1], 0.7, ignore_index=-100)),
+    "token_logprobs_T": (("z",), lambda x, z: lk.token_logprobs(z[:, :-1], x["tokens"][:, :-1], sampling=lk.Sampling(0.7), ignore_index=-100)),
     "token_logprobs_from_hidden": (
         ("hidden", "w"),
-        lambda x, h, w: lk.token_logprobs_from_hidden(h, w, x["tokens"], ignore_index=-100, chunk_size=4),
+        lambda x, h, w: logprobs_from_hidden(h, w, x["tokens"], ignore_index=-100, chunk_size=4),
     ),
-    "full_kl": (("z", "zr"), lambda x, z, zr: lk.full_kl(z, zr, x["mask"], temperature=1.3, chunk_size=4)),
+    "full_kl": (("z", "zr"), lambda x, z, zr: lk.full_kl(z, zr, x["mask"], sampling=lk.Sampling(1.3), chunk_size=4)),
     "full_kl_sliced": (("z", "zr"), lambda x, z, zr: lk.full_kl(z[:, 1:], zr[:, 1:], x["mask"][:, 1:])),
     "full_kl_from_hidden": (
         ("hidden", "w", "ref_hidden"),
-        lambda x, h, w, hr: lk.full_kl_from_hidden(h, w, hr, x["w_ref"], x["mask"], chunk_size=4),
+        lambda x, h, w, hr: kl_from_hidden(h, w, hr, x["w_ref"], x["mask"], chunk_size=4),
     ),
+    "token_entropy": (("z",), lambda x, z: lk.token_entropy(z, x["mask"], sampling=lk.Sampling(0.8), chunk_size=4)),
+    "token_entropy_processed": (("zt",), lambda x, z: lk.token_entropy(z, x["mask"], sampling=lk.Sampling(**PROC), chunk_size=4)),
     "kl_penalty_full": (("z", "zr"), lambda x, z, zr: lk.kl_penalty(z, zr, "full", mask=x["mask"])),
     "processed_logprobs": (
         ("zt",),
-        lambda x, z: lk.processed_logprobs(z, x["zt_top"], **PROC, ignore_index=-100, chunk_size=4).logprobs,
+        lambda x, z: processed(z, x["zt_top"], **PROC, ignore_index=-100, chunk_size=4).logprobs,
     ),
     "processed_logprobs_outside_-inf_min_p": (
         ("zt",),
-        lambda x, z: lk.processed_logprobs(z, x["tokens"], top_p=0.6, min_p=0.2, ignore_index=-100, outside="-inf").logprobs,
+        lambda x, z: processed(z, x["tokens"], top_p=0.6, min_p=0.2, ignore_index=-100, outside="-inf").logprobs,
     ),
     "processed_logprobs_kept_from": (
         ("zr",),
-        lambda x, zr: lk.processed_logprobs(zr, x["tokens"], **PROC, ignore_index=-100, outside="-inf", kept_from=x["zt"]).logprobs,
+        lambda x, zr: processed(zr, x["tokens"], **PROC, ignore_index=-100, outside="-inf", kept_from=x["zt"]).logprobs,
     ),
     "processed_logprobs_top_k_only": (
         ("zt",),
-        lambda x, z: lk.processed_logprobs(z, x["zt_top"], top_k=7, ignore_index=-100, chunk_size=4).logprobs,
+        lambda x, z: processed(z, x["zt_top"], top_k=7, ignore_index=-100, chunk_size=4).logprobs,
     ),
     "processed_logprobs_from_hidden": (
         ("hidden", "w_tied"),
-        lambda x, h, w: lk.processed_logprobs_from_hidden(h, w, x["h_top"], **PROC, ignore_index=-100, chunk_size=4).logprobs,
+        lambda x, h, w: processed_from_hidden(h, w, x["h_top"], **PROC, ignore_index=-100, chunk_size=4).logprobs,
     ),
     "token_logprobs_top_p": (
         ("zt",),
-        lambda x, z: lk.token_logprobs(z, x["zt_top"], 0.9, ignore_index=-100, top_p=0.6, chunk_size=4),
+        lambda x, z: lk.token_logprobs(z, x["zt_top"], sampling=lk.Sampling(0.9, top_p=0.6), ignore_index=-100, chunk_size=4),
     ),
     **{
         f"processed_full_kl_{reference}": (
             ("zt", "zt_ref"),
-            lambda x, z, zr, reference=reference: lk.processed_full_kl(z, zr, x["mask"], **PROC, reference=reference, chunk_size=4),
+            lambda x, z, zr, reference=reference: processed_kl(z, zr, x["mask"], **PROC, reference=reference, chunk_size=4),
         )
         for reference in ("unprocessed", "processed", "policy_kept")
     },
@@ -175,7 +178,7 @@ def test_device_form_still_refuses_an_out_of_range_id(monkeypatch: pytest.Monkey
     tokens[1, 0] = V
     with device_form(monkeypatch), pytest.raises(RuntimeError, match=rf"token ids must be in \[0, {V}\)"):
         if from_hidden:
-            lk.token_logprobs_from_hidden(x["hidden"], x["w"], tokens)
+            logprobs_from_hidden(x["hidden"], x["w"], tokens)
         else:
             lk.token_logprobs(x["z"], tokens)
 
@@ -197,9 +200,9 @@ def test_the_processed_cases_have_ties_split_by_top_p(key: str) -> None:
 def test_device_form_still_refuses_a_token_outside_the_kept_set(monkeypatch: pytest.MonkeyPatch) -> None:
     z = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
     with device_form(monkeypatch), pytest.raises(RuntimeError, match="sampled tokens must lie in the kept set"):
-        lk.processed_logprobs(z, torch.tensor([2]), top_k=2)
+        processed(z, torch.tensor([2]), top_k=2)
     with device_form(monkeypatch):  # a token inside it passes
-        lp = lk.processed_logprobs(z, torch.tensor([1]), top_k=2).logprobs
+        lp = processed(z, torch.tensor([1]), top_k=2).logprobs
     assert_close(lp, -torch.tensor([1.0]).exp().log1p())  # log(e / (e^2 + e))
 
 
@@ -207,7 +210,7 @@ def test_device_form_still_refuses_the_gradient_of_an_infinite_kl(monkeypatch: p
     z = torch.tensor([[2.0, 1.0, 0.0]], requires_grad=True)
     ref = torch.tensor([[0.0, 1.0, 2.0]])
     with device_form(monkeypatch):
-        kl = lk.processed_full_kl(z, ref, top_k=2, reference="processed")  # token 0 kept, removed by the reference
+        kl = processed_kl(z, ref, top_k=2, reference="processed")  # token 0 kept, removed by the reference
         with pytest.raises(RuntimeError, match=r"processed distribution is \+inf"):
             kl.sum().backward()
     assert torch.isinf(kl.detach()).all()  # the value says so

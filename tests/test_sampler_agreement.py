@@ -74,7 +74,7 @@ def _expected_logprobs(logits: torch.Tensor, sampling: lk.Sampling) -> torch.Ten
     rows = logits.double()[:, None, :].expand(b, v, v)  # one row per candidate token
     tokens = torch.arange(v).expand(b, v)
     s = sampling
-    return lk.processed_logprobs(rows, tokens, s.temperature, s.top_k, s.top_p, s.min_p, outside="-inf").logprobs
+    return lk.token_logprobs(rows, tokens, sampling=s, outside="-inf")
 
 
 def _drawn_distributions(model, generation_config: dict, sampling: lk.Sampling, steps: int = 8):

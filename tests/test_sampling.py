@@ -17,6 +17,7 @@ from torch.testing import assert_close
 
 import lightning_kl as lk
 from lightning_kl.sampling import REFERENCES
+from _vocab import logprobs_from_hidden, processed, processed_from_hidden, processed_kl
 
 # the reference side is differentiated on purpose here: its gradient is checked too
 pytestmark = pytest.mark.filterwarnings("ignore:`ref_[a-z]*` requires grad")
@@ -98,7 +99,7 @@ def test_value_gradient_and_kept_mass_match_float64_maths(proc, layout):
     z = base[:, :-1] if layout == "slice" else base  # read in place, never copied whole
     kept = warpers(**proc)(None, z.detach().reshape(-1, 40).clone()).view(z.shape) > float("-inf")
     y = sample(torch.where(kept, z.detach(), float("-inf")), g)
-    lp, log_kept = lk.processed_logprobs(z, y, **proc, chunk_size=5)
+    lp, log_kept = processed(z, y, **proc, chunk_size=5)
     T = proc.get("temperature", 1.0)
     want = formula(z, y, kept, T)
     assert_close(lp, want, rtol=1e-12, atol=1e-12)
@@ -112,7 +113,7 @@ def test_value_gradient_and_kept_mass_match_float64_maths(proc, layout):
     # the gradient flows through the kept tokens only (and the sampled one)
     assert (got[:, : z.shape[1]][~kept] == 0).all()
     # token_logprobs takes the same keywords
-    assert_close(lk.token_logprobs(z, y, **proc), lp, rtol=1e-12, atol=0)
+    assert_close(lk.token_logprobs(z, y, sampling=lk.Sampling(**proc)), lp, rtol=1e-12, atol=0)
 
 
 @pytest.mark.parametrize("proc", [dict(top_p=0.6), dict(temperature=0.7, top_k=4, top_p=0.8), dict(top_k=3, min_p=0.2)])
@@ -127,7 +128,7 @@ def test_gradient_with_tied_scores_at_the_kept_sets_boundary(proc):
     if "top_p" in proc:
         assert split.any() and not split.all()
     y = sample(torch.where(kept, z.detach(), float("-inf")), g)
-    lp = lk.processed_logprobs(z, y, **proc, chunk_size=16).logprobs
+    lp = processed(z, y, **proc, chunk_size=16).logprobs
     T = proc.get("temperature", 1.0)
     want = formula(z, y, kept, T)
     assert_close(lp, want, rtol=1e-12, atol=1e-12)
@@ -144,7 +145,7 @@ def test_half_and_single_logits_compute_in_float32(dtype):
     proc = dict(temperature=0.7, top_k=10, top_p=0.9)
     kept = warpers(**proc)(None, z.detach().float()) > float("-inf")  # generate casts to float32
     y = sample(torch.where(kept, z.detach().float(), float("-inf")), g)
-    lp = lk.token_logprobs(z, y, **proc)
+    lp = lk.token_logprobs(z, y, sampling=lk.Sampling(**proc))
     assert lp.dtype == torch.float32
     want = formula(z.detach().double(), y, kept, 0.7)
     assert_close(lp.double(), want, rtol=1e-5, atol=1e-5)
@@ -165,8 +166,8 @@ def test_from_hidden_matches_from_logits_with_every_gradient():
     kept = warpers(**proc)(None, logits.detach().reshape(-1, 30).clone()).view(logits.shape) > float("-inf")
     y = sample(torch.where(kept, logits.detach(), float("-inf")), g)
     y[0, 0] = -100
-    got = lk.token_logprobs_from_hidden(h, w, y, b, ignore_index=-100, chunk_size=4, **proc)
-    want = lk.processed_logprobs(logits, y, ignore_index=-100, **proc).logprobs
+    got = logprobs_from_hidden(h, w, y, b, ignore_index=-100, chunk_size=4, **proc)
+    want = processed(logits, y, ignore_index=-100, **proc).logprobs
     assert_close(got, want, rtol=1e-12, atol=1e-12)
     assert got[0, 0] == 0
     weights = torch.randn(got.shape, generator=g, dtype=torch.float64)
@@ -181,7 +182,7 @@ def test_ignored_tokens_give_zero_and_zero_gradient_even_with_nan_logits():
     z[1] = float("nan")
     z.requires_grad_()
     y = torch.tensor([z[0].argmax().item(), -100, z[2].argmax().item()])
-    lp, log_kept = lk.processed_logprobs(z, y, top_k=2, ignore_index=-100)
+    lp, log_kept = processed(z, y, top_k=2, ignore_index=-100)
     assert lp[1] == 0 and log_kept[1] == 0 and torch.isfinite(lp).all()
     lp.sum().backward()
     assert (z.grad[1] == 0).all() and torch.isfinite(z.grad).all()
@@ -190,13 +191,13 @@ def test_ignored_tokens_give_zero_and_zero_gradient_even_with_nan_logits():
 def test_neutral_values_are_no_processing():
     z = torch.randn(4, 12, dtype=torch.float64)
     y = torch.randint(12, (4,))
-    plain = lk.token_logprobs(z, y, temperature=0.8)
+    plain = lk.token_logprobs(z, y, sampling=lk.Sampling(0.8))
     for neutral in (dict(top_k=0), dict(top_p=1.0), dict(min_p=0.0), dict(top_k=None, top_p=None, min_p=None)):
-        lp, log_kept = lk.processed_logprobs(z, y, temperature=0.8, **neutral)
+        lp, log_kept = processed(z, y, temperature=0.8, **neutral)
         assert_close(lp, plain, rtol=0, atol=1e-14)
         assert (log_kept == 0).all()
     # top_k >= V keeps everything
-    lp, log_kept = lk.processed_logprobs(z, y, temperature=0.8, top_k=100)
+    lp, log_kept = processed(z, y, temperature=0.8, top_k=100)
     assert_close(lp, plain, rtol=0, atol=1e-14)
 
 
@@ -264,8 +265,8 @@ def test_response_logprobs_are_generates_processed_scores(tiny, proc):
     if processing.truncates:
         assert (kept[mask].sum(-1) < ex.VOCAB_SIZE).float().mean() > 0.5  # most positions truncate
     # the full softmax is off by the kept mass log S
-    full = lk.token_logprobs(logits, seq[:, p:], temperature=T)
-    log_kept = lk.processed_logprobs(logits, seq[:, p:].masked_fill(~mask, -100), T, ignore_index=-100, **kw).log_kept
+    full = lk.token_logprobs(logits, seq[:, p:], sampling=lk.Sampling(T))
+    log_kept = processed(logits, seq[:, p:].masked_fill(~mask, -100), T, ignore_index=-100, **kw).log_kept
     assert_close(full[mask], (lp + log_kept)[mask], rtol=0, atol=1e-5)
 
 
@@ -337,13 +338,13 @@ def test_processed_full_kl_matches_float64_maths(proc, reference):
     keep_ref = {"unprocessed": torch.ones_like(keep), "processed": kept(zr), "policy_kept": keep}[reference]
     want = _kl_formula(z, zr, keep, keep_ref, T).where(mask, 0)
     junk_z = z.detach().clone().masked_fill(~mask[..., None], float("nan")).requires_grad_()
-    got = lk.processed_full_kl(z, zr, mask, **proc, reference=reference, chunk_size=3)
+    got = processed_kl(z, zr, mask, **proc, reference=reference, chunk_size=3)
     assert_close(got, want, rtol=1e-10, atol=1e-12)
     infinite = torch.isinf(want)
     if reference != "processed":  # only a reference with its own kept sets can miss a kept token
         assert not infinite.any()
     # masked tokens are never read: NaN there changes nothing
-    assert_close(lk.processed_full_kl(junk_z, zr, mask, **proc, reference=reference), got, rtol=1e-12, atol=1e-14)
+    assert_close(processed_kl(junk_z, zr, mask, **proc, reference=reference), got, rtol=1e-12, atol=1e-14)
     w = torch.randn(want.shape, generator=g, dtype=torch.float64).where(~infinite, 0)
     grads = torch.autograd.grad((w * got).where(~infinite, 0).sum(), (z, zr))
     # the formula again with a finite stand-in on the infinite rows (weight 0), for NaN-free autograd
@@ -358,16 +359,16 @@ def test_processed_full_kl_matches_float64_maths(proc, reference):
 def test_processed_reference_is_infinite_where_the_policy_keeps_what_it_removes():
     z = torch.tensor([[2.0, 1.0, 0.0]], requires_grad=True)
     zr = torch.tensor([[0.0, 1.0, 2.0]])
-    kl = lk.processed_full_kl(z, zr, top_k=2, reference="processed")
+    kl = processed_kl(z, zr, top_k=2, reference="processed")
     assert kl.item() == float("inf")
     with pytest.raises(ValueError, match=r"\+inf at 1 token\(s\).*reference='policy_kept' or 'unprocessed'"):
         kl.sum().backward()
     # the policy-kept reference: finite, the KL of two 2-token distributions
-    kl = lk.processed_full_kl(z, zr, top_k=2, reference="policy_kept")
+    kl = processed_kl(z, zr, top_k=2, reference="policy_kept")
     assert torch.isfinite(kl).all()
     # unprocessed = policy-kept - log(reference mass on the kept set)
     q = torch.softmax(zr, -1)
-    unp = lk.processed_full_kl(z, zr, top_k=2, reference="unprocessed")
+    unp = processed_kl(z, zr, top_k=2, reference="unprocessed")
     assert_close(unp, kl - torch.log(q[:, :2].sum(-1)))
 
 
@@ -377,13 +378,13 @@ def test_reference_on_the_policys_kept_set_matches_policy_kept_full_kl():
     z = 2 * torch.randn(5, 20, generator=g, dtype=torch.float64)
     zr = 2 * torch.randn(5, 20, generator=g, dtype=torch.float64)
     proc = dict(temperature=0.9, top_p=0.8)
-    log_p = lk.processed_logprobs(z, torch.zeros(5, dtype=torch.long), **proc, outside="-inf")  # any ids
+    log_p = processed(z, torch.zeros(5, dtype=torch.long), **proc, outside="-inf")  # any ids
     ids = torch.arange(20).expand(5, 20)
-    lp = lk.processed_logprobs(z[:, None].expand(5, 20, 20), ids, **proc, outside="-inf").logprobs
-    lq = lk.processed_logprobs(zr[:, None].expand(5, 20, 20), ids, **proc, kept_from=z[:, None].expand(5, 20, 20), outside="-inf").logprobs
+    lp = processed(z[:, None].expand(5, 20, 20), ids, **proc, outside="-inf").logprobs
+    lq = processed(zr[:, None].expand(5, 20, 20), ids, **proc, kept_from=z[:, None].expand(5, 20, 20), outside="-inf").logprobs
     p = lp.exp()
     kl = (p * (lp - lq)).where(p > 0, 0).sum(-1)
-    assert_close(kl, lk.processed_full_kl(z, zr, **proc, reference="policy_kept"), rtol=1e-12, atol=1e-14)
+    assert_close(kl, processed_kl(z, zr, **proc, reference="policy_kept"), rtol=1e-12, atol=1e-14)
     assert log_p.logprobs.shape == (5,)
 
 
@@ -407,20 +408,20 @@ def test_reference_on_the_policys_kept_set_matches_policy_kept_full_kl():
 def test_bad_processing_fails_with_a_message_naming_it(kw, match):
     z, y = torch.randn(2, 5), torch.tensor([0, 1])
     with pytest.raises(ValueError, match=match):
-        lk.processed_logprobs(z, y, **kw)
+        processed(z, y, **kw)
     if "outside" not in kw:
         with pytest.raises(ValueError, match=match):
-            lk.token_logprobs(z, y, **{"top_k": 2, **kw})
+            lk.token_logprobs(z, y, sampling=lk.Sampling(**{"top_k": 2, **kw}))
         with pytest.raises(ValueError, match=match):
-            lk.processed_full_kl(z, z, **kw)
+            processed_kl(z, z, **kw)
 
 
 def test_bad_reference_and_kept_from_shape():
     z = torch.randn(2, 5)
     with pytest.raises(ValueError, match=r"`reference` must be one of \('unprocessed', 'processed', 'policy_kept'\), got 'own'"):
-        lk.processed_full_kl(z, z, top_k=2, reference="own")
+        processed_kl(z, z, top_k=2, reference="own")
     with pytest.raises(ValueError, match=r"kept_from"):
-        lk.processed_logprobs(z, torch.tensor([0, 1]), top_k=2, kept_from=torch.randn(2, 6))
+        processed(z, torch.tensor([0, 1]), top_k=2, kept_from=torch.randn(2, 6))
 
 
 def test_bad_processing_fails_before_the_forward_pass():
@@ -437,9 +438,9 @@ def test_a_token_outside_the_kept_set_is_reported_with_its_position():
     z = torch.tensor([[[3.0, 2.0, 1.0, 0.0], [0.0, 1.0, 2.0, 3.0]]])
     y = torch.tensor([[0, 0]])  # the second is outside the top-2
     with pytest.raises(ValueError, match=r"1 sampled token\(s\) lie outside the kept set .*first at position \(0, 1\) \(id 0\)"):
-        lk.token_logprobs(z, y, top_k=2)
+        lk.token_logprobs(z, y, sampling=lk.Sampling(top_k=2))
     zg = z.clone().requires_grad_()
-    lp = lk.processed_logprobs(zg, y, top_k=2, outside="-inf").logprobs
+    lp = processed(zg, y, top_k=2, outside="-inf").logprobs
     assert lp[0, 1] == float("-inf") and torch.isfinite(lp[0, 0])
     lp[0, 0].backward()  # the -inf token has no gradient path: a constant
     assert (zg.grad[0, 1] == 0).all()
@@ -452,9 +453,13 @@ def test_truncation_is_refused_on_a_vocabulary_split_and_the_temperature_alone_i
     tokens = torch.randint(0, 5, (2, 3))
     for kwargs in ({"top_k": 2}, {"top_p": 0.5}, {"min_p": 0.1}):
         with pytest.raises(ValueError, match="not supported on logits or heads split over the vocabulary"):
-            lk.token_logprobs(lk.VocabShard(logits, None, 0), tokens, **kwargs)
+            lk.token_logprobs(lk.VocabShard(logits, None, 0), tokens, sampling=lk.Sampling(**kwargs))
         with pytest.raises(ValueError, match="not supported on logits or heads split over the vocabulary"):
-            lk.token_logprobs_from_hidden(torch.randn(2, 3, 4), lk.VocabShard(head, None, 0), tokens, **kwargs)
+            logprobs_from_hidden(torch.randn(2, 3, 4), lk.VocabShard(head, None, 0), tokens, **kwargs)
+        with pytest.raises(ValueError, match="not supported on logits or heads split over the vocabulary"):
+            lk.token_entropy(lk.VocabShard(logits, None, 0), sampling=lk.Sampling(**kwargs))
+        with pytest.raises(ValueError, match="not supported on logits or heads split over the vocabulary"):
+            lk.full_kl(lk.VocabShard(logits, None, 0), lk.VocabShard(logits, None, 0), sampling=lk.Sampling(**kwargs))
 
 
 @pytest.mark.parametrize("bad", [0, -1, True, 2.0])
@@ -462,9 +467,9 @@ def test_a_bad_chunk_size_is_refused_by_every_processed_function(bad):
     z, w = torch.randn(2, 3, 5), torch.randn(5, 4)
     tokens = z.argmax(-1)
     calls = [
-        lambda: lk.processed_logprobs(z, tokens, top_k=2, chunk_size=bad),
-        lambda: lk.processed_logprobs_from_hidden(torch.randn(2, 3, 4), w, tokens, top_k=2, chunk_size=bad),
-        lambda: lk.processed_full_kl(z, z.flip(-1), top_k=2, chunk_size=bad),
+        lambda: processed(z, tokens, top_k=2, chunk_size=bad),
+        lambda: processed_from_hidden(torch.randn(2, 3, 4), w, tokens, top_k=2, chunk_size=bad),
+        lambda: processed_kl(z, z.flip(-1), top_k=2, chunk_size=bad),
     ]
     for call in calls:
         with pytest.raises(ValueError, match=rf"`chunk_size` must be a positive integer or None, got {bad!r}"):

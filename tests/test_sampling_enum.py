@@ -26,6 +26,7 @@ from torch.testing import assert_close
 
 import lightning_kl as lk
 from lightning_kl.estimators import SAMPLED_ESTIMATORS
+from _vocab import processed, processed_kl
 
 V, L = 5, 3
 SAMPLED = list(SAMPLED_ESTIMATORS)
@@ -112,12 +113,12 @@ def setup(request) -> Setup:
 def library_logprobs(s: Setup, reference: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``lp`` (differentiable), ``ref`` and ``old`` ``[N, L]``; the reference at the temperature,
     unprocessed or renormalized on the policy's kept set."""
-    lp = lk.processed_logprobs(s.theta[s.rows], s.toks, **s.proc).logprobs
-    old = lk.processed_logprobs(s.mu_logits[s.rows], s.toks, **s.proc).logprobs
+    lp = processed(s.theta[s.rows], s.toks, **s.proc).logprobs
+    old = processed(s.mu_logits[s.rows], s.toks, **s.proc).logprobs
     if reference == "unprocessed":
-        ref = lk.token_logprobs(s.ref_logits[s.rows], s.toks, temperature=s.proc["temperature"])
+        ref = lk.token_logprobs(s.ref_logits[s.rows], s.toks, sampling=lk.Sampling(s.proc["temperature"]))
     else:
-        ref = lk.processed_logprobs(s.ref_logits[s.rows], s.toks, **s.proc, kept_from=s.theta[s.rows]).logprobs
+        ref = processed(s.ref_logits[s.rows], s.toks, **s.proc, kept_from=s.theta[s.rows]).logprobs
     return lp, ref, old
 
 
@@ -222,7 +223,7 @@ def test_full_vocabulary_log_probs_of_processed_samples_are_biased(setup):
 
     def scored(old_full: bool = False):
         lp, ref, old = library_logprobs(setup, "unprocessed")
-        full = lk.token_logprobs(setup.theta[setup.rows], setup.toks, temperature=setup.proc["temperature"])
+        full = lk.token_logprobs(setup.theta[setup.rows], setup.toks, sampling=lk.Sampling(setup.proc["temperature"]))
         return (lp, ref, full.detach()) if old_full else (full, ref, old)
 
     kl = formula(setup)["kl"]
@@ -239,7 +240,7 @@ def test_full_vocabulary_log_probs_of_processed_samples_are_biased(setup):
 def test_exact_processed_kl_is_each_prefix_kl(setup, reference):
     # lk.processed_full_kl at every prefix, against the formula (value and gradient)
     T = setup.proc["temperature"]
-    got = lk.processed_full_kl(setup.theta, setup.ref_logits, **setup.proc, reference=reference, chunk_size=7)
+    got = processed_kl(setup.theta, setup.ref_logits, **setup.proc, reference=reference, chunk_size=7)
     log_pt = log_processed(setup.theta, setup.keep, T)
     log_q = torch.log_softmax(setup.ref_logits / T, -1)
     if reference == "policy_kept":

@@ -155,11 +155,10 @@ def test_logits_where_log_probs_belong_are_named_as_logits() -> None:
         lk.KLPenaltyLoss("k3+")(logits, logits, torch.ones(2, 3, dtype=torch.bool))
 
 
-def test_hidden_states_given_to_the_logits_functions_point_to_full_kl_from_hidden() -> None:
+def test_hidden_states_are_taken_by_full_kl_and_kl_penalty_with_one_for_each_model() -> None:
     h = lk.FromHidden(torch.randn(2, 3, 4), torch.randn(7, 4))
-    with pytest.raises(TypeError, match=r"got FromHidden\..*`lk.full_kl_from_hidden"):
-        lk.full_kl(h, h)
-    # kl_penalty("full") takes them, as the loss does
+    # lk.full_kl and kl_penalty("full") take them, as the loss does (one model against itself: 0)
+    assert torch.equal(lk.full_kl(h, h), torch.zeros(2, 3))
     assert_close(lk.kl_penalty(h, h, "full"), torch.zeros(2, 3))
     with pytest.raises(TypeError, match=r"FromHidden.*with one for each model"):
         lk.kl_penalty(h, torch.randn(2, 3, 7), "full")
@@ -174,7 +173,7 @@ def test_a_reference_that_requires_grad_is_warned_about_and_can_be_silenced() ->
         ("ref_logprob", lambda: lk.KLPenaltyLoss("k3+")(lp, ref)),
         ("ref_logits", lambda: lk.full_kl(logits, logits.clone().requires_grad_())),
         ("ref_logits", lambda: lk.KLPenaltyLoss("full")(logits, logits.clone().requires_grad_())),
-        ("ref_hidden", lambda: lk.full_kl_from_hidden(hidden, w, hidden.clone().requires_grad_(), w)),
+        ("ref_hidden", lambda: lk.full_kl(lk.FromHidden(hidden, w), lk.FromHidden(hidden.clone().requires_grad_(), w))),
         ("ref_hidden", lambda: lk.KLPenaltyLoss("full")(lk.FromHidden(hidden, w), lk.FromHidden(hidden.clone().requires_grad_(), w))),
     ]
     for name, call in cases:

@@ -13,9 +13,10 @@ import torch
 from torch.testing import assert_close
 
 import lightning_kl as lk
+from _vocab import kl_from_hidden
 from lightning_kl.accumulation import check_accumulate_grad_batches
 from lightning_kl.functional import aggregate_counts
-from lightning_kl.kernels.rows import Rows
+from lightning_kl.kernels.engine import Source, Tensors
 
 # gradients toward the reference are checked here on purpose: its warning is expected
 pytestmark = pytest.mark.filterwarnings("ignore:`ref_[a-z]*` requires grad")
@@ -156,10 +157,10 @@ def test_rewards_are_promoted_to_float64_scores() -> None:
 def test_rows_of_a_sliced_tensor_are_gathered_by_chunk_never_copied_whole() -> None:
     # catches `view` -> `reshape`: logits[:, :-1] was copied whole, the memory the kernels exist to save
     x = torch.randn(4, 5, 7)
-    assert Rows(x[:, :-1]).flat is None
-    rows, fresh = Rows(x[:, :-1]).read(torch.tensor([0, 5]))
+    assert Source(Tensors(x[:, :-1])).flat is None
+    rows, fresh = Source(Tensors(x[:, :-1])).read(torch.tensor([0, 5]))
     assert fresh and torch.equal(rows, torch.stack([x[0, 0], x[1, 1]]))
-    whole = Rows(x)
+    whole = Source(Tensors(x))
     assert whole.flat is not None and whole.flat.data_ptr() == x.data_ptr()  # a view, read in place
     chunk, fresh = whole.read(slice(2, 6))
     assert not fresh and chunk.data_ptr() == x[0, 2].data_ptr()
@@ -179,7 +180,7 @@ def test_full_from_hidden_refuses_reference_rows_in_another_layout() -> None:
     # catches the leading-shape check removed: [2, 3, d] against [3, 2, d] pairs the wrong rows
     w = torch.randn(11, 4)
     with pytest.raises(ValueError, match=r"logits of one shape.*hidden \(2, 3, 4\).*ref_hidden \(3, 2, 4\)"):
-        lk.full_kl_from_hidden(torch.randn(2, 3, 4), w, torch.randn(3, 2, 4), w)
+        kl_from_hidden(torch.randn(2, 3, 4), w, torch.randn(3, 2, 4), w)
     loss = lk.KLPenaltyLoss("full")
     with pytest.raises(ValueError, match=r"logits of one shape.*hidden \(2, 3, 4\).*ref_hidden \(3, 2, 4\)"):
         loss(lk.FromHidden(torch.randn(2, 3, 4), w), lk.FromHidden(torch.randn(3, 2, 4), w))

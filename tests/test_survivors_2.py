@@ -32,13 +32,9 @@ NEG_INF = -float("inf")
 def sampled_logprobs(x: Tensor, tokens: Tensor, sampling: lk.Sampling, *, weight: Optional[Tensor] = None,
                      ignore_index: Optional[int] = None, outside: str = "raise") -> Tensor:
     """The log-probs of ``tokens`` under ``sampling``'s processed distribution: from logits ``x``, or
-    from hidden states ``x`` and an LM head ``weight``. Today's public API, in one place."""
-    s = sampling
-    if weight is None:
-        return lk.processed_logprobs(x, tokens, s.temperature, s.top_k, s.top_p, s.min_p, ignore_index,
-                                     outside=outside).logprobs
-    return lk.processed_logprobs_from_hidden(x, weight, tokens, None, s.temperature, s.top_k, s.top_p, s.min_p,
-                                             ignore_index, outside=outside).logprobs
+    from hidden states ``x`` and an LM head ``weight``. The public API, in one place."""
+    source = x if weight is None else lk.FromHidden(x, weight)
+    return lk.token_logprobs(source, tokens, sampling=sampling, ignore_index=ignore_index, outside=outside)
 
 
 def every_token(logits: Tensor, sampling: lk.Sampling) -> Tensor:
@@ -149,7 +145,7 @@ def test_nan_hidden_states_at_ignored_positions_touch_nothing(sampling: lk.Sampl
         if sampling.truncates:
             lp = sampled_logprobs(h, tokens, sampling, weight=w, ignore_index=-100, outside="-inf")
         else:
-            lp = lk.token_logprobs_from_hidden(h, w, tokens, ignore_index=-100)
+            lp = lk.token_logprobs(lk.FromHidden(h, w), tokens, ignore_index=-100)
         weights = torch.isfinite(lp).to(F64)
         value = (lp.masked_fill(~torch.isfinite(lp), 0) * weights).sum()
         results.append((lp.detach(), *torch.autograd.grad(value, [h, w])))

@@ -1,8 +1,9 @@
 """The kernels: chunked :class:`torch.autograd.Function` implementations behind the public functions.
 
-:mod:`.fused` (every sampled-token estimator in one pass each way), :mod:`.full` (the exact KL over the
-vocabulary), :mod:`.logprobs` (token log-probs from logits or hidden states); :mod:`.rows` reads
-logits by chunks of rows, from a tensor or made from hidden states. They build on
-:mod:`lightning_kl.ground` and on the estimator maths, never on the public functions or the shells
-above them.
+:mod:`.engine` (the one vocabulary engine: token log-probs, the exact KL and the entropy, from logits
+or hidden states, over the whole vocabulary or a shard of it, with an optional sampler), :mod:`.full`
+(logits, shards and heads resolved to the engine's sources and partitions), :mod:`.processing` (the
+sampler's kept set, as ``generate`` chooses it), :mod:`.fused` (every sampled-token estimator in one
+pass each way). They build on :mod:`lightning_kl.ground` and on the estimator maths, never on the
+public functions or the shells above them.
 """
