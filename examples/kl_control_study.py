@@ -1,9 +1,12 @@
-r"""A KL budget without a sweep: ``TargetKLController`` in the loss, for several estimators, on the toy.
+r"""A KL budget without a sweep: ``TargetKLController`` in the loss, for several estimators, on the toy
+or on the Hugging Face example.
 
     python examples/kl_control_study.py --config examples/configs/kl_control_toy.yaml --png docs/kl_control_toy.png
+    python examples/kl_control_study.py --config examples/configs/kl_control_hf.yaml --png docs/kl_control_hf.png
 
 For each choice of the KL in the loss (an estimator at a level, with or without importance weights, as
-in ``examples/frontier.py``), one toy run (``examples/toy_rlhf.py``) whose loss coefficient is a
+in ``examples/frontier.py``), one run of the YAML's ``example`` (``toy``: ``examples/toy_rlhf.py``, the
+default; ``hf``: ``examples/hf_grpo.py``, its KL and accuracy in place of the toy's) whose loss coefficient is a
 ``TargetKLController`` toward ``target_kl`` (nats per response: the loss's ``kl_agg`` is
 ``seq-mean-token-sum``), from the same starting coefficient; and, for the choices listed in ``fixed``,
 one run with that starting coefficient held fixed. A fixed coefficient buys a different KL per
@@ -183,7 +186,7 @@ def plot(study: dict[str, Any], rows: list[dict[str, Any]], out: Path) -> None:
     target = float(study["target_kl"])
     axes[0].axhline(target, color="gray", ls="--", lw=1)
     axes[0].axhspan(0.9 * target, 1.1 * target, color="gray", alpha=0.15, label="target ±10%")
-    axes[0].set_yscale("symlog", linthresh=1.0)
+    axes[0].set_yscale("symlog", linthresh=min(1.0, 2 * target))  # linear around a budget below 1 nat
     axes[0].set_title("exact KL per response (from logits)")
     axes[1].set_yscale("log")
     axes[1].set_title("loss coefficient")
