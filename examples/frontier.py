@@ -83,7 +83,7 @@ EXAMPLES = {
     "toy": Example("toy_rlhf", "train/reward", "train/kl_response", "train/ref_reward", {"kl_estimator": None},
                    "reward (share of 7s)", True, "kl_old_logprob"),
     "hf": Example("hf_grpo", "train/acc", "train/kl_seq", "train/ref_acc", {"kl_coef": 0.0},
-                  "accuracy", False, None),
+                  "accuracy", True, "kl_old_logprob"),
 }
 CSV_FIELDS = ("choice", "coef", "seed", "reward", "kl_response", "kl_token", "ref_reward", "steps", "seconds",
               "status", "key")

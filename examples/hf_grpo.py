@@ -43,7 +43,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
 import torch
@@ -287,6 +287,8 @@ class ArithmeticDataModule(pl.LightningDataModule):
         ref_kw = (dict(self.scoring, kept_from=logits) if h.score_processed and h.reference == "policy_kept"
                   else {"temperature": T})
         ref_logprobs, ref_logits = hf.reference_logprobs(policy, seq, am, p, return_logits=True, **ref_kw)
+        if module.kl.spec.base == "full":  # the loss's `full` estimator: the reference's distributions
+            batch["ref_logits"] = ref_logits.detach()
         policy.train(was_training)
         # the exact KL of the next-token distributions (0 on padding): summed over a response, an
         # unbiased estimate of the responses' KL (chain rule), no estimator noise; of the full
@@ -349,9 +351,16 @@ class HFGRPO(pl.LightningModule):
         lora_r, lora_alpha, lora_targets: the LoRA adapters (``peft.LoraConfig``).
         lr: the RL learning rate (AdamW, adapters only).
         kl_estimator, kl_coef, kl_agg, kl_level, kl_to_go: :class:`lightning_kl.KLPenaltyLoss`
-            (``kl_coef: 0`` keeps the KL out of the loss but still measures it). At ``level="sequence"``
-            the loss's expected gradient is that of the KL of whole responses; ``seq-mean-token-sum``
-            makes the term ``coef`` times the mean KL per response, exact for responses of any length.
+            (``kl_coef: 0`` keeps the KL out of the loss but still measures it; a controller,
+            ``class_path: lightning_kl.TargetKLController``, moves it once per optimizer step). At
+            ``level="sequence"`` the loss's expected gradient is that of the KL of whole responses;
+            ``seq-mean-token-sum`` makes the term ``coef`` times the mean KL per response, exact for
+            responses of any length. ``full`` is the exact KL of the policy's and the reference's
+            softmaxes at the sampling temperature, from both models' logits; it needs a sampler
+            without truncation (no top-k, top-p, min-p), whose distribution that softmax is.
+        kl_old_logprob: pass the sampler's log-probs to the KL loss as ``old_logprob`` (importance
+            weights; on-policy they make ``k3``'s gradient ``k3+``'s and ``k1``'s exact); ``False``
+            gives the plain estimator, as frameworks without the weights use it.
         clip_eps: the ratio clip (GRPO/PPO); bites only if a rollout is used for more than one step.
     """
 
@@ -373,10 +382,11 @@ class HFGRPO(pl.LightningModule):
         lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
         lr: float = 3e-3,
         kl_estimator: lk.EstimatorName = "k3+",
-        kl_coef: float = 0.3,
+        kl_coef: Union[float, lk.KLController] = 0.3,
         kl_agg: lk.AggMode = "seq-mean-token-sum",
         kl_level: lk.Level = "sequence",
         kl_to_go: str = "k1",
+        kl_old_logprob: bool = True,
         clip_eps: float = 0.2,
     ) -> None:
         super().__init__()
@@ -387,11 +397,6 @@ class HFGRPO(pl.LightningModule):
         self.save_hyperparameters()
         # the estimator name, coefficient, mode and level are validated here, before any step
         self.kl = lk.KLPenaltyLoss(kl_estimator, coef=kl_coef, agg=kl_agg, level=kl_level, kl_to_go=kl_to_go)
-        if self.kl.spec.base == "full":
-            raise ValueError(
-                "`kl_estimator` 'full' needs both models' logits in training_step; this example passes "
-                f"sampled-token log-probs: use one of {sorted(SAMPLED_ESTIMATORS)}."
-            )
         self.policy: Any = None  # a peft PeftModel, made in setup() on the pretrained weights
         self.ref_acc = float("nan")
         self.pretrain_seconds = 0.0
@@ -450,6 +455,12 @@ class HFGRPO(pl.LightningModule):
         if not isinstance(dm, ArithmeticDataModule):
             raise RuntimeError("HFGRPO is trained with an ArithmeticDataModule (it holds the task and the reward).")
         h = self.hparams
+        if self.kl.spec.base == "full" and dm.sampling.truncates:
+            raise ValueError(
+                f"`kl_estimator` 'full' is the KL of the softmaxes at the sampling temperature, but the sampler "
+                f"truncates them ({dm.sampling}): sample with top_k 0, top_p 1 and min_p 0, or use one of "
+                f"{sorted(SAMPLED_ESTIMATORS)}."
+            )
         base = self.reference_model(dm)
         base_bytes = parameter_bytes(base)
         # LoRA on the frozen pretrained weights: the policy; with the adapters disabled, the reference
@@ -502,11 +513,20 @@ class HFGRPO(pl.LightningModule):
         adv = group_advantages(returns, batch["group"])[:, None]
 
         dm = self.trainer.datamodule
-        logprobs = hf.response_logprobs(self.policy, seq, am, p, **dm.scoring)
+        full = self.kl.spec.base == "full"
+        out = hf.response_logprobs(self.policy, seq, am, p, return_logits=full, **dm.scoring)
+        logprobs, logits = out if full else (out, None)
         ratio = torch.exp(logprobs - batch["logprobs"])  # token-level; 1 on the first step over a rollout
         clipped = ratio.clamp(1 - self.hparams.clip_eps, 1 + self.hparams.clip_eps)
         pg_loss = lk.aggregate(-torch.minimum(ratio * adv, clipped * adv), mask, "token-mean")
-        kl_loss = self.kl(logprobs, batch["ref_logprobs"], mask, old_logprob=batch["logprobs"])
+        if full:  # both models' softmaxes at the sampling temperature; the sampled log-probs carry the
+            # KL-to-go term at the sequence level
+            T = dm.sampling.temperature
+            sampled = logprobs if self.kl.level == "sequence" else None
+            kl_loss = self.kl(logits / T, batch["ref_logits"] / T, mask, sampled_logprob=sampled)
+        else:
+            old = batch["logprobs"] if self.hparams.kl_old_logprob else None
+            kl_loss = self.kl(logprobs, batch["ref_logprobs"], mask, old_logprob=old)
         loss = pg_loss + kl_loss
 
         n = mask.shape[0]
@@ -575,7 +595,8 @@ class HFGRPOCLI(LightningCLI):
         log_dir = Path(csv_logger.log_dir)
         png = log_dir / "hf_grpo.png"
         h = module.hparams
-        plot_run(series, png, f"{csv_logger.name}: {h.kl_estimator}, coef {h.kl_coef}, level {h.kl_level}")
+        coef = h.kl_coef if isinstance(h.kl_coef, (int, float)) else type(module.kl.controller).__name__
+        plot_run(series, png, f"{csv_logger.name}: {h.kl_estimator}, coef {coef}, level {h.kl_level}")
         acc = [v for _, v in series["train/acc"]]
         kl = [v for _, v in series["train/kl_seq"]]
         m = module.memory

@@ -1,9 +1,12 @@
-r"""A KL budget without a sweep: ``TargetKLController`` in the loss, for several estimators, on the toy.
+r"""A KL budget without a sweep: ``TargetKLController`` in the loss, for several estimators, on the toy
+or on the Hugging Face example.
 
     python examples/kl_control_study.py --config examples/configs/kl_control_toy.yaml --png docs/kl_control_toy.png
+    python examples/kl_control_study.py --config examples/configs/kl_control_hf.yaml --png docs/kl_control_hf.png
 
 For each choice of the KL in the loss (an estimator at a level, with or without importance weights, as
-in ``examples/frontier.py``), one toy run (``examples/toy_rlhf.py``) whose loss coefficient is a
+in ``examples/frontier.py``), one run of the YAML's ``example`` (``toy``: ``examples/toy_rlhf.py``, the
+default; ``hf``: ``examples/hf_grpo.py``, its KL and accuracy in place of the toy's) whose loss coefficient is a
 ``TargetKLController`` toward ``target_kl`` (nats per response: the loss's ``kl_agg`` is
 ``seq-mean-token-sum``), from the same starting coefficient; and, for the choices listed in ``fixed``,
 one run with that starting coefficient held fixed. A fixed coefficient buys a different KL per
@@ -30,7 +33,7 @@ if str(Path(__file__).resolve().parent) not in sys.path:
 import _runs  # noqa: E402
 import frontier  # noqa: E402  (the choices and the config merge of the frontier sweep)
 
-KEYS = {"base_config", "overrides", "out", "target_kl", "controller", "seeds", "choices", "fixed", "frontier"}
+KEYS = {"example", "base_config", "overrides", "out", "target_kl", "controller", "seeds", "choices", "fixed", "frontier"}
 FIELDS = ("choice", "mode", "seed", "target_kl", "kl_controlled", "kl_exact", "kl_controlled_last", "kl_exact_last",
           "coef_final", "reward", "steps", "seconds")
 
@@ -42,12 +45,15 @@ def load(path: str | Path) -> dict[str, Any]:
         raw = yaml.safe_load(f)
     if not isinstance(raw, dict) or set(raw) - KEYS or {"base_config", "target_kl", "controller", "choices"} - set(raw):
         raise ValueError(f"{path}: a mapping with the keys {sorted(KEYS)} (base_config, target_kl, controller and choices required).")
-    raw["choices"] = [frontier.parse_choice(c, frontier.EXAMPLES["toy"]) for c in raw["choices"]]
+    raw.setdefault("example", "toy")
+    if raw["example"] not in frontier.EXAMPLES:
+        raise ValueError(f"{path}: `example` {raw['example']!r} is not one of {sorted(frontier.EXAMPLES)}.")
+    raw["choices"] = [frontier.parse_choice(c, frontier.EXAMPLES[raw["example"]]) for c in raw["choices"]]
     names = {c.name for c in raw["choices"]}
     if set(raw.get("fixed") or ()) - names:
         raise ValueError(f"{path}: `fixed` names choices that are not in `choices`: {sorted(set(raw['fixed']) - names)}.")
     raw.setdefault("seeds", [0])
-    raw["out"] = Path(raw.get("out") or "runs/kl_control/toy")
+    raw["out"] = Path(raw.get("out") or f"runs/kl_control/{raw['example']}")
     raw["name"] = Path(path).stem
     return raw
 
@@ -64,7 +70,7 @@ def run_config(study: dict[str, Any], choice: Any, mode: str, seed: int) -> dict
         coef = {"class_path": "lightning_kl.FixedKLController", "init_args": {"kl_coef": float(ctl["init_kl_coef"])}}
     model = {"kl_estimator": choice.loss, "kl_level": choice.level, "kl_coef": coef, "kl_agg": "seq-mean-token-sum"}
     if not choice.weights:
-        model["kl_old_logprob"] = False
+        model[frontier.EXAMPLES[study["example"]].weights_key] = False
     logger = {"class_path": "lightning.pytorch.loggers.CSVLogger",
               "init_args": {"save_dir": str(study["out"] / "runs"), "name": choice.slug, "version": f"{mode}-seed{seed}"}}
     return frontier.merge(config, {"seed_everything": seed, "model": model,
@@ -86,25 +92,26 @@ def run_one(study: dict[str, Any], choice: Any, mode: str, seed: int) -> dict[st
     path = study["out"] / "configs" / f"{choice.slug}-{mode}-seed{seed}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(config, sort_keys=False))
-    import toy_rlhf
+    import importlib
 
+    example = frontier.EXAMPLES[study["example"]]
     start = time.perf_counter()
     argv, sys.argv = sys.argv, sys.argv[:1]
     try:
-        cli = toy_rlhf.main(["fit", "--config", str(path)])
+        cli = importlib.import_module(example.module).main(["fit", "--config", str(path)])
     finally:
         sys.argv = argv
     seconds = time.perf_counter() - start
     log_dir = Path(_runs.find_csv_logger(cli.trainer.loggers).log_dir)
     series = _runs.read_metrics(log_dir / "metrics.csv")
-    exact = _runs.values(series["train/kl_response"])
+    exact = _runs.values(series[example.kl_key])
     est = _runs.values(series["kl/value"])
     coefs = _runs.values(series["kl/coef"])
     return {
         "choice": choice.name, "mode": mode, "seed": seed, "target_kl": study["target_kl"],
         "kl_controlled": tail_mean(est, 0.25), "kl_exact": tail_mean(exact, 0.25),
         "kl_controlled_last": _runs.last_quarter_mean(est), "kl_exact_last": _runs.last_quarter_mean(exact),
-        "coef_final": coefs[-1], "reward": _runs.last_quarter_mean(_runs.values(series["train/reward"])),
+        "coef_final": coefs[-1], "reward": _runs.last_quarter_mean(_runs.values(series[example.reward_key])),
         "steps": len(exact), "seconds": round(seconds, 1), "metrics": str(log_dir / "metrics.csv"),
     }
 
@@ -172,14 +179,14 @@ def plot(study: dict[str, Any], rows: list[dict[str, Any]], out: Path) -> None:
         color = colors.setdefault(r["choice"], f"C{len(colors)}")
         style = "-" if r["mode"] == "target" else ":"
         label = f"{r['choice']} ({'target' if r['mode'] == 'target' else 'fixed'})"
-        kl = series["train/kl_response"]
+        kl = series[frontier.EXAMPLES[study["example"]].kl_key]
         axes[0].plot([s for s, _ in kl], [v for _, v in kl], style, color=color, label=label, lw=1.2)
         coef = series["kl/coef"]
         axes[1].plot([s for s, _ in coef], [v for _, v in coef], style, color=color, label=label, lw=1.2)
     target = float(study["target_kl"])
     axes[0].axhline(target, color="gray", ls="--", lw=1)
     axes[0].axhspan(0.9 * target, 1.1 * target, color="gray", alpha=0.15, label="target ±10%")
-    axes[0].set_yscale("symlog", linthresh=1.0)
+    axes[0].set_yscale("symlog", linthresh=min(1.0, 2 * target))  # linear around a budget below 1 nat
     axes[0].set_title("exact KL per response (from logits)")
     axes[1].set_yscale("log")
     axes[1].set_title("loss coefficient")
@@ -208,11 +215,12 @@ def plot(study: dict[str, Any], rows: list[dict[str, Any]], out: Path) -> None:
         ax.axvspan(0.9 * target, 1.1 * target, color="gray", alpha=0.15)
         ax.set_xscale("log")
         ax.set_xlabel("exact KL per response")
-        ax.set_ylabel("reward")
+        ax.set_ylabel(frontier.EXAMPLES[study["example"]].reward_label)
         ax.set_title("on the frontier (curves: fixed-coefficient sweep; *: target, o: fixed;\n"
                      "means over seeds of the last quarter)", fontsize=9)
         ax.legend(fontsize=7)
-    _runs.save_figure(fig, f"TargetKLController toward {target:g} nats/response vs a fixed coefficient (toy, GRPO)", out)
+    where = {"toy": "toy", "hf": "Hugging Face example"}[study["example"]]
+    _runs.save_figure(fig, f"TargetKLController toward {target:g} nats/response vs a fixed coefficient ({where}, GRPO)", out)
 
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:

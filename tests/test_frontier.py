@@ -154,6 +154,11 @@ def test_run_config_places_the_choice_and_the_coefficient(tmp_path):
     assert "kl_old_logprob" not in frontier.run_config(sweep, loss, 0.5, 0)["model"]  # the default: keys unchanged
     hf = frontier.load_sweep(_sweep_yaml(tmp_path, example="hf", choices=[REWARD]))
     assert frontier.run_config(hf, hf.choices[0], 0.1, 0)["model"]["kl_coef"] == 0.0
+    # the HF example takes `full` in the loss and turns its importance weights off by the same key
+    hf_plain = frontier.parse_choice({"name": "k3", "loss": "k3", "weights": False}, frontier.EXAMPLES["hf"])
+    assert frontier.run_config(hf, hf_plain, 0.5, 0)["model"]["kl_old_logprob"] is False
+    hf_full = frontier.parse_choice({"name": "full", "loss": "full", "level": "sequence"}, frontier.EXAMPLES["hf"])
+    assert frontier.run_config(hf, hf_full, 0.5, 0)["model"]["kl_estimator"] == "full"
 
 
 @pytest.mark.parametrize(
@@ -167,10 +172,8 @@ def test_run_config_places_the_choice_and_the_coefficient(tmp_path):
         ({"choices": [{"name": "x", "reward": "full"}]}, r"`reward` 'full' is not one of \["),
         ({"choices": [{"name": "x", "reward": "k1", "loss": "k2"}]}, "exactly one of `loss` and `reward`"),
         ({"choices": [REWARD, {"name": "k1 in the reward!", "reward": "k3"}]}, "two choices share a name"),
-        ({"example": "hf", "choices": [{"name": "x", "loss": "full", "level": "sequence"}]}, "cannot use `full`"),
         ({"base_config": "nope.yaml"}, "'nope.yaml' is not a file"),
         ({"choices": [{"name": "x", "reward": "k1", "weights": False}]}, "`weights` is a setting of the loss"),
-        ({"example": "hf", "choices": [{"name": "x", "loss": "k3", "weights": False}]}, "always passes `old_logprob`"),
     ],
 )
 def test_bad_sweeps_fail_before_any_run(tmp_path, changes, match):

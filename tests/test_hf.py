@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import ast
 import copy
+import json
+import math
 import sys
 import importlib.util
 from pathlib import Path
@@ -542,143 +544,90 @@ def test_the_examples_sampler_draws_what_it_scores_whatever_the_generation_confi
     assert agreement.share_outside == 0.0 and abs(agreement.mean_ratio - 1) < 1e-5, agreement
 
 
-@pytest.mark.parametrize("name", ["k4", "full"])
-def test_example_rejects_a_bad_estimator_before_any_step(tmp_path, one_thread, name):
+def test_example_rejects_a_bad_estimator_before_any_step(tmp_path, one_thread):
     # the message lists the valid names; the model is built before the reference is pretrained
     with pytest.raises(ValueError, match=r"k3\+"):
-        ex.main(["--config", str(CONFIG), *QUIET_CLI, f"--model.kl_estimator={name}",
+        ex.main(["--config", str(CONFIG), *QUIET_CLI, "--model.kl_estimator=k4",
                  f"--model.cache_dir={tmp_path}"], run=False)
     assert not list(Path(tmp_path).iterdir())  # no reference was pretrained
 
 
-def test_score_is_exact_match_before_the_first_eos():
-    tok = ex.build_tokenizer()
-    ids = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
-    E = ex.EOS_ID
-    responses = torch.tensor([ids("12") + [E], ids("1") + [E, E], ids("123"), ids("21") + [E], [E, E, E]])
-    mask = hf.response_mask(responses, E)
-    problems = [(5, 7), (0, 1), (60, 63), (5, 7), (0, 0)]
-    # right; right and shorter; no EOS (cut off); wrong digits; empty answer
-    assert ex.score(tok, responses, mask, problems).tolist() == [1.0, 1.0, 0.0, 0.0, 0.0]
+@pytest.mark.parametrize("top_p", [0.9, 0.99])
+def test_example_refuses_full_with_a_truncating_sampler_before_pretraining(tmp_path, one_thread, top_p):
+    # `full` is the KL of the softmaxes: not the distribution a top-p sampler draws from
+    cli = ex.main(["--config", str(CONFIG), *TINY_ARGS, *QUIET_CLI, "--model.kl_estimator=full",
+                   f"--data.sampling.top_p={top_p}", f"--model.cache_dir={tmp_path / 'ref'}",
+                   f"--trainer.default_root_dir={tmp_path}", "--trainer.fast_dev_run=1"], run=False)
+    with pytest.raises(ValueError, match=r"sampler truncates them .*top_p 1"):
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    assert not (tmp_path / "ref").exists() or not list((tmp_path / "ref").iterdir())
 
 
-def test_group_advantages_by_hand():
-    returns = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0])
-    group = torch.tensor([0, 0, 0, 0, 1, 1])
-    # group 0: mean 1/4, std sqrt(3)/4 -> (3/4) / (sqrt(3)/4) = sqrt(3), (-1/4) / (sqrt(3)/4) = -1/sqrt(3)
-    s3 = 3 ** 0.5
-    assert_close(ex.group_advantages(returns, group, eps=0.0)[:4], torch.tensor([s3, -1 / s3, -1 / s3, -1 / s3]))
-    assert ex.group_advantages(returns, group)[4:].tolist() == [0.0, 0.0]  # all equal: nothing to learn
+def _kl_terms(tmp_path, cache_dir, args):
+    """Fit 2 steps of the tiny example; the KL loss's inputs and output at each step, and the policy's
+    and the reference's logits over the response (float64), recomputed just before the step."""
+    seen: list[dict] = []
+
+    class Capture(pl.Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            seq, am, mask = batch["sequences"], batch["attention_mask"], batch["mask"]
+            p = seq.shape[1] - mask.shape[1]
+            with torch.no_grad():
+                _, logits = hf.response_logprobs(module.policy, seq, am, p, return_logits=True, temperature=1.0)
+                _, ref = hf.reference_logprobs(module.policy, seq, am, p, return_logits=True, temperature=1.0)
+            seen.append({"logits": logits.double(), "ref": ref.double(), "mask": mask})
+
+    cli = ex.main(["--config", str(CONFIG), *TINY_ARGS, *QUIET_CLI, f"--model.cache_dir={cache_dir}",
+                   f"--trainer.default_root_dir={tmp_path}", "--trainer.fast_dev_run=2", "--data.rollouts=2",
+                   *args], run=False)
+    cli.trainer.callbacks.append(Capture())
+    hook = cli.model.kl.register_forward_hook(
+        lambda m, a, kw, out: seen[-1].update(args=a, kwargs=kw, out=out.detach().double()), with_kwargs=True)
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    hook.remove()
+    return seen, cli.model
 
 
-def test_two_ddp_processes_train_the_same_adapters_on_different_rollouts(tmp_path, cache_dir):
-    records = run_ddp_worker(Path(ddp_worker.__file__), tmp_path, cache_dir, world=ddp_worker.WORLD)
-    r0, r1 = records
-    assert [r0["rank"], r1["rank"]] == [0, 1] and r0["world_size"] == r1["world_size"] == 2
-    assert r0["first_sequences"] != r1["first_sequences"]  # each rank sampled its own prompts
-    assert r0["adapters"] == r1["adapters"]  # bitwise: DDP averaged the adapters' gradients
-    assert r0["adapters_b_nonzero"] and r1["adapters_b_nonzero"]  # and they trained
-    assert r0["base_equal_reference"] and r1["base_equal_reference"]  # the reference did not move
-    assert r0["ref_acc"] == r1["ref_acc"]  # reduced across ranks
-    assert r0["coef"] == r1["coef"] != 0.2  # KLRewardCallback agreed on beta and moved it
+@pytest.mark.filterwarnings("ignore:Your `IterableDataset` has `__len__` defined")
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_example_full_in_the_loss_is_the_softmaxes_kl_at_the_sampling_temperature(tmp_path, cache_dir, one_thread, level):
+    # coef x the mean over responses of the summed exact KL of softmax(logits / T) against the
+    # reference's, from the formula in float64 (T = 0.5: a loss without the temperature is off)
+    T, coef = 0.5, 0.7
+    seen, _ = _kl_terms(tmp_path, cache_dir, ["--model.kl_estimator=full", f"--model.kl_level={level}",
+                                           f"--model.kl_coef={coef}", f"--data.sampling.temperature={T}",
+                                           "--data.sampling.top_p=1.0"])
+    assert len(seen) == 2
+    for i, s in enumerate(seen):
+        logp, logq = torch.log_softmax(s["logits"] / T, -1), torch.log_softmax(s["ref"] / T, -1)
+        per_token = (logp.exp() * (logp - logq)).sum(-1) * s["mask"]
+        expected = coef * per_token.sum(-1).mean()
+        assert_close(s["out"], expected, rtol=1e-4, atol=1e-7)
+        assert ("sampled_logprob" in s["kwargs"] and s["kwargs"]["sampled_logprob"] is not None) == (level == "sequence")
+        if i == 1:  # the first step moved the adapters: the second step's KL is not 0
+            assert float(expected) > 1e-5
 
 
-def test_the_readme_rollout_and_training_step_run_and_train_the_adapters():
-    # the code a user copies from docs/huggingface.md, on a tiny Qwen2 model
-    import re
-
-    section = (ROOT / "docs" / "huggingface.md").read_text()
-    namespace: dict = {}
-    exec(re.findall(r"```python\n(.*?)```", section, re.S)[0], namespace)
-    grpo = namespace["GRPO"](ex.build_model("qwen2", 16, 1, 2, 1, 32, 16), kl_coef=0.5)
-    grpo.log = lambda *args, **kwargs: None  # no Trainer attached
-    tok = ex.build_tokenizer()
-    torch.manual_seed(0)
-    batch = namespace["rollout"](grpo.policy, tok, ["<bos>1+2=", "<bos>11+3="], 3, 4)
-    assert batch["attention_mask"].shape == batch["sequences"].shape
-    assert_close(batch["logprobs"], batch["ref_logprobs"], rtol=0, atol=0)  # lora_B = 0 at the start
-    batch["scores"] = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0])
-    grpo.training_step(batch, 0).backward()
-    grads = {n: p.grad for n, p in grpo.policy.named_parameters() if p.grad is not None}
-    assert grads and all("lora_B" in n or "lora_A" in n for n in grads)
-    assert any(g.abs().sum() > 0 for n, g in grads.items() if "lora_B" in n)
+@pytest.mark.filterwarnings("ignore:Your `IterableDataset` has `__len__` defined")
+@pytest.mark.parametrize("weights", [True, False])
+def test_example_kl_old_logprob_switches_the_importance_weights(tmp_path, cache_dir, one_thread, weights):
+    seen, _ = _kl_terms(tmp_path, cache_dir, ["--model.kl_estimator=k3", f"--model.kl_old_logprob={weights}"])
+    assert len(seen) == 2
+    for s in seen:
+        assert (s["kwargs"]["old_logprob"] is not None) is weights
 
 
-def test_the_readme_quickstart_trains_the_adapters_with_a_sampled_and_the_full_kl():
-    # the README's quickstart: its GRPO module, fed a rollout from docs/huggingface.md's rollout()
-    import re
-
-    quick = (ROOT / "README.md").read_text().split("## Quickstart")[1].split("\n## ")[0]
-    module_code, full_code = re.findall(r"```python\n(.*?)```", quick, re.S)
-    rollout_code = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "huggingface.md").read_text(), re.S)[0]
-    namespace: dict = {}
-    exec(rollout_code, namespace)  # rollout() (its GRPO is replaced by the quickstart's next)
-    exec(module_code, namespace)
-    grpo = namespace["GRPO"](ex.build_model("qwen2", 16, 1, 2, 1, 32, 16), kl_coef=0.5)
-    logged = []
-    grpo.log = lambda name, value, **kwargs: logged.append(name)  # no Trainer attached
-    torch.manual_seed(0)
-    batch = namespace["rollout"](grpo.policy, ex.build_tokenizer(), ["<bos>1+2=", "<bos>11+3="], 3, 4)
-    batch["advantages"] = torch.tensor([1.0, -1.0, -1.0, -1.0, 1.0, 1.0])
-    grpo.training_step(batch, 0).backward()
-    assert logged == ["train/kl"]
-    grads = {n: q.grad for n, q in grpo.policy.named_parameters() if q.grad is not None}
-    assert grads and all("lora_" in n for n in grads)
-    assert any(g.abs().sum() > 0 for n, g in grads.items() if "lora_B" in n)
-    # the `full` lines, in the same step: the exact KL is 0 while lora_B = 0 (policy = reference),
-    # and positive once the adapters moved
-    seq, am, mask = batch["sequences"], batch["attention_mask"], batch["mask"]
-    scope = dict(namespace, self=grpo, seq=seq, am=am, mask=mask, p=seq.shape[1] - mask.shape[1])
-    exec(full_code, scope)
-    assert scope["kl_loss"].abs().item() < 1e-6
-    with torch.no_grad():
-        for n, q in grpo.policy.named_parameters():
-            if "lora_B" in n:
-                q.normal_(0, 0.5)
-    exec(full_code, scope)
-    assert scope["kl_loss"].item() > 1e-3
-    scope["kl_loss"].backward()
-
-
-def test_the_readme_quickstart_installs_what_it_imports():
-    # the quickstart imports peft and runs a transformers model: its install line names an extra of
-    # pyproject.toml that holds both (`.[examples]` holds neither)
-    import re
-
-    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
-    quick = (ROOT / "README.md").read_text().split("## Quickstart")[1].split("\n## ")[0]
-    (install,) = re.findall(r"```bash\n(.*?)```", quick, re.S)
-    (extras,) = re.findall(r'pip install -e "\.\[([a-z,]+)\]"', install)
-    table = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    packages = {re.split(r"[<>=\[]", req)[0] for extra in extras.split(",") for req in table[extra]}
-    assert {"transformers", "peft"} <= packages, (extras, packages)
-    assert "import peft" in quick
-
-
-def _write_run(root: Path, name: str, acc: list[float], kl: list[float], step_s: float) -> None:
-    run = root / name / "version_0"
-    run.mkdir(parents=True)
-    lines = ["epoch,step,train/acc,train/kl_seq,train/ref_acc,train/elapsed_s"]
-    lines += [f"0,{i},{a},{k},0.4,{(i + 1) * step_s}" for i, (a, k) in enumerate(zip(acc, kl))]
-    (run / "metrics.csv").write_text("\n".join(lines) + "\n")
-
-
-def test_check_script_passes_a_run_that_did_what_it_claims_and_fails_one_that_did_not(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("check_hf_grpo", ROOT / "examples" / "check_hf_grpo.py")
-    check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(check)
-    # 8 rollouts of 30 s: only the first 6 are within 180 s; the last quarter of 6 is the 6th (0.7)
-    good, late = tmp_path / "good", tmp_path / "late"
-    _write_run(good, "hf_grpo_lora", [0.4, 0.5, 0.6, 0.6, 0.6, 0.7, 0.0, 0.0], [0.0, 0.2] + [0.4] * 6, 30.0)
-    _write_run(good, "hf_grpo_lora_kl0", [0.4] * 8, [0.0] + [0.9] * 7, 30.0)
-    assert check.main([str(good)]) == 0
-    out = capsys.readouterr().out
-    assert "PASS  accuracy hf_grpo_lora: 0.700 >= reference 0.400 + 0.2 within 180 s" in out
-    assert "PASS  KL term" in out
-    # the gain comes only after 180 s, the KL exceeds the bound, and the KL term did not help
-    _write_run(late, "hf_grpo_lora", [0.4] * 6 + [0.9, 0.9], [0.0] + [2.5] * 7, 30.0)
-    _write_run(late, "hf_grpo_lora_kl0", [0.4] * 8, [0.0] + [0.9] * 7, 30.0)
-    assert check.main([str(late)]) == 1
-    out = capsys.readouterr().out
-    assert out.count("FAIL") == 3 and "3 claim(s) failed" in out
-    assert check.main([str(tmp_path / "nothing")]) == 1
+@pytest.mark.filterwarnings("ignore:Your `IterableDataset` has `__len__` defined")
+def test_example_takes_a_target_kl_controller_by_class_path(tmp_path, cache_dir, one_thread):
+    # the rule, once per step, from each step's KL (its loss over the coefficient it used): step 1 with
+    # the initial coefficient, step 2 with the one step 1's KL gave
+    ctl = {"class_path": "lightning_kl.TargetKLController",
+           "init_args": {"target_kl": 0.01, "init_kl_coef": 0.2, "step_size": 0.1}}
+    seen, module = _kl_terms(tmp_path, cache_dir, [f"--model.kl_coef={json.dumps(ctl)}", "--model.kl_estimator=k3+"])
+    assert type(module.kl.controller) is lk.TargetKLController and len(seen) == 2
+    beta = 0.2
+    for s in seen:
+        kl = float(s["out"]) / beta
+        beta *= math.exp(0.1 * max(-1.0, min(1.0, kl / 0.01 - 1)))
+    assert beta != pytest.approx(0.2)  # the coefficient moved
+    assert module.kl.coef == pytest.approx(beta, rel=1e-6)
