@@ -435,6 +435,7 @@ HOST_ONLY: dict[str, str] = {
     "Sampling": "a validated sampler configuration (host data)",
     "OnPolicyRollouts": "an iterable that calls the user's sampler; no tensor work of its own",
     "hf": "the module; its functions are listed one by one",
+    "KLLossCallback": "a callback: attaches the losses at setup; its per-step work is KLPenaltyLoss.update_coef (with the controllers)",
     "hf.sampler_agreement": "an opt-in check that returns its figures as Python floats: one host read per call, "
     "by design (also behind hf.response_logprobs(sampler_scores=), which is off by default)",
     "hf.SamplerAgreement": "a tuple of Python numbers (host data)",

@@ -27,6 +27,7 @@ from lightning_kl.mismatch_metric import MismatchMetric
 from lightning_kl.refresh import ReferenceRefresh
 from lightning_kl.rollouts import OnPolicyRollouts
 from lightning_kl.sequence import Level
+from lightning_kl.trainer_hooks import KLLossCallback
 
 __version__ = "0.2.0"
 
@@ -37,6 +38,7 @@ __all__ = [
     "FixedKLController",
     "FromHidden",
     "KLController",
+    "KLLossCallback",
     "KLMetric",
     "KLPenaltyLoss",
     "KLRewardCallback",

@@ -221,7 +221,7 @@ def check_kl_inputs(
         raise TypeError(
             f"`lk.FromHidden` inputs take the 'full' estimator with one for each model, got {spec.name!r} with "
             f"{type(logprob).__name__} and {type(ref_logprob).__name__}; for a sampled estimator compute the log-probs "
-            "with `lk.token_logprobs_from_hidden`."
+            "with `lk.token_logprobs(lk.FromHidden(hidden, weight), tokens)`."
         )
     check_sampled_logprob(sampled_logprob, logprob, False)
     logprob, ref_logprob, old_logprob = sampled_locals(logprob, ref_logprob, old_logprob)  # loss_parallel's DTensors

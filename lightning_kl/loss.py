@@ -138,9 +138,10 @@ class KLPenaltyLoss(nn.Module):
     gets those values. ``old_logprob`` is an error there: the exact KL needs no importance weights.
     In place of the logits it also takes one :class:`~lightning_kl.FromHidden` per model (the last
     hidden states and the LM head): the logits are then made chunk by chunk and never held whole
-    (:func:`~lightning_kl.full_kl_from_hidden`),
-    ``self.kl(lk.FromHidden(hidden, lm_head.weight), lk.FromHidden(ref_hidden, ref_head.weight), mask)``
-    (a truncating ``sampling`` from hidden states is not available yet: refused by name). ``[b, t]`` inputs
+    (:func:`~lightning_kl.full_kl`),
+    ``self.kl(lk.FromHidden(hidden, lm_head.weight), lk.FromHidden(ref_hidden, ref_head.weight), mask)``,
+    with any ``sampling``; on a vocabulary split over processes, a truncating ``sampling`` (top-k, top-p,
+    min-p: a selection across the shards) is refused by name. ``[b, t]`` inputs
     without a mask are refused there: log-probs where logits belong.
 
     Log-probs are checked to be ``<= 0`` at valid positions (beyond rounding): logits gathered at the

@@ -552,7 +552,7 @@ def test_loss_rejects_mixed_or_sampled_hidden_inputs():
     h, w, _ = make_head((2, 3), 4, 5, torch.float32)
     with pytest.raises(TypeError, match=r"'full' estimator with one for each model, got 'full' with FromHidden and Tensor"):
         lk.KLPenaltyLoss("full")(lk.FromHidden(h, w), F.linear(h, w))
-    with pytest.raises(TypeError, match=r"got 'k3\+'.*token_logprobs_from_hidden"):
+    with pytest.raises(TypeError, match=r"got 'k3\+'.*token_logprobs\(lk.FromHidden"):
         lk.KLPenaltyLoss("k3+")(lk.FromHidden(h, w), lk.FromHidden(h, w))
     with pytest.raises(ValueError, match=r"logits of one shape.*ref_weight \(6, 4\)"):
         kl_from_hidden(h, w, h, torch.randn(6, 4))

@@ -78,8 +78,9 @@ def check_floating(name: str, x: object) -> Tensor:
         hint = ""
         if isinstance(x, tuple) and hasattr(x, "hidden"):  # an lk.FromHidden, which this layer does not import
             hint = (
-                " Hidden states and an LM head (`lk.FromHidden`) go to `lk.full_kl_from_hidden(hidden, weight, "
-                "ref_hidden, ref_weight, mask)`, or to `KLPenaltyLoss('full')` as one `lk.FromHidden` per model."
+                " Hidden states and an LM head (`lk.FromHidden`) go to `lk.full_kl(lk.FromHidden(hidden, weight), "
+                "lk.FromHidden(ref_hidden, ref_weight), mask)`, `lk.token_logprobs(lk.FromHidden(...), tokens)`, or "
+                "`KLPenaltyLoss('full')` as one `lk.FromHidden` per model."
             )
         raise TypeError(f"`{name}` must be a torch.Tensor, got {type(x).__name__}.{hint}")
     if not x.is_floating_point():

@@ -30,8 +30,7 @@ class VocabShard(NamedTuple):
     Pass one per model in place of the logits to :func:`lightning_kl.token_logprobs`,
     :func:`lightning_kl.full_kl`, :func:`lightning_kl.kl_penalty` (``"full"``) and
     ``KLPenaltyLoss("full")``; or, holding this rank's rows of a column-parallel LM head, in place of
-    the head's weight to :func:`lightning_kl.token_logprobs_from_hidden`,
-    :func:`lightning_kl.full_kl_from_hidden` and :class:`lightning_kl.FromHidden` (the bias, if
+    the head's weight to :class:`lightning_kl.FromHidden`, which those functions take (the bias, if
     any, is this rank's ``[V_local]`` slice; the hidden states are the same on every rank, and their
     gradient is summed over the group). Every rank of ``group`` calls with its own shard; the shards must
     tile the vocabulary ``[0, V)`` without overlap (each token id owned by exactly one rank), which
