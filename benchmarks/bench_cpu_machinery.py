@@ -13,14 +13,15 @@ own intra-op threads) by at least ``--keep`` (1.3x) here:
   elementwise composition (``kl_penalty_compute`` with ``fused.ENABLED = False``), forward+backward of
   ``kl_penalty(lp, ref, NAME, mask=m)`` with ``lp`` requiring a gradient, at typical ``[b, t]`` sizes,
   float32 and bfloat16. The fused kernel is called directly, so it is timed even where the package's
-  own dispatch would pick the composition. Variants: as it runs now (``fused, loop``: 32768-element
-  chunks in order), on the pool where there is one, in chunks of 2^20 elements and in one chunk (both
-  with torch's threads in each op). Skipped where the package has no fused kernel any more.
+  own dispatch would pick the composition. Variants: as it runs (``fused``: chunks of ``fused.CHUNK``
+  elements in order, each op with torch's threads), on the pool where there is one, in chunks of
+  torch's grain (every op inline on the calling thread) and in one chunk (whole-tensor ops). Skipped
+  where the package has no fused kernel any more.
 
 Method: the variants of a case run in the same process, interleaved run by run, after a warm-up of
 each; the figure is the median of ``--repeats`` runs (each run the mean of ``--inner`` calls, so that
 sub-millisecond cases are timed above the clock's noise). On the fused side the verdict is on the
-kernel as the package runs it (``fused, loop``); each row also gives the ratio to its best variant. Ratio = plain / machinery:
+kernel as the package runs it (``fused``); each row also gives the ratio to its best variant. Ratio = plain / machinery:
 above 1 the machinery is faster. The load average is printed before and after; the machine is shared.
 
     python benchmarks/bench_cpu_machinery.py            # ~1-2 min
@@ -47,7 +48,7 @@ import lightning_kl.ground.chunks as chunks  # noqa: E402
 from lightning_kl.estimators import parse_estimator  # noqa: E402
 from lightning_kl.functional import kl_penalty_compute  # noqa: E402
 
-BIG_CHUNK = 1 << 20
+SMALL_CHUNK = 1 << 15  # torch's grain: an op on it runs inline on the calling thread
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -177,21 +178,22 @@ def fused_cases(args: argparse.Namespace) -> list[tuple[str, float, float]]:
                 variants = {"composition": run_plain}
                 if pooled:
                     variants["fused, pool"] = run_fused(True)
-                variants["fused, loop"] = run_fused(False)  # 32K chunks in the calling thread
-                if n > BIG_CHUNK:
-                    variants["fused, 1M chunks"] = run_fused(False, BIG_CHUNK)  # each op on 1M: torch's threads
-                variants["fused, 1 chunk"] = run_fused(False, n)  # the whole tensor: torch's threads
+                variants["fused"] = run_fused(False)  # as the package runs it (fused.CHUNK)
+                if fused.CHUNK != SMALL_CHUNK:
+                    variants["fused, 32K chunks"] = run_fused(False, SMALL_CHUNK)  # every op inline on this thread
+                if n > fused.CHUNK:
+                    variants["fused, 1 chunk"] = run_fused(False, n)  # whole-tensor ops
                 t = compare(variants, args.repeats, inner)
                 best = min(v for k, v in t.items() if k != "composition")
                 label = f"{name} {list(shape)} {dname}"
-                rows.append((label, t["fused, loop"], t["composition"]))  # as the package runs it
+                rows.append((label, t["fused"], t["composition"]))  # as the package runs it
                 figures = " | ".join(f"{k} {v * 1e3:7.3f} ms" for k, v in t.items())
                 extra = ""
                 if pooled:
                     nopool = min(v for k, v in t.items() if k not in ("composition", "fused, pool"))
                     extra = f" | fused without pool / with pool {nopool / t['fused, pool']:.2f}x"
                     rows_pool_in_fused.append((label, t["fused, pool"], nopool))
-                print(f"  fused | {label:34s} | {figures} | composition / fused loop {t['composition'] / t['fused, loop']:.2f}x "
+                print(f"  fused | {label:34s} | {figures} | composition / fused {t['composition'] / t['fused']:.2f}x "
                       f"| composition / best fused {t['composition'] / best:.2f}x{extra}", flush=True)
     return rows
 

@@ -106,7 +106,7 @@ def test_full_kl_chunks_are_sized_for_the_device(handed):
 
 def test_fused_estimators_take_the_whole_tensor_as_one_chunk_off_the_cpu(handed):
     spec = parse_estimator("k3+")
-    shape = (64, 4096)  # 262,144 tokens: 8 chunks of 32,768 on CPU
+    shape = (512, 4096)  # 2,097,152 tokens: 2 chunks of 2^20 on CPU
     lp = torch.empty(shape, device=META)
     assert fused.use_fused(spec, torch.empty(4, device=META))  # even a tiny input: no CPU-side shortcut
     with pytest.raises(Handed):
@@ -115,4 +115,4 @@ def test_fused_estimators_take_the_whole_tensor_as_one_chunk_off_the_cpu(handed)
         fused.fused_kl_value(torch.zeros(()).expand(shape), torch.zeros(()).expand(shape), spec, None, torch.float32)
     (gpu_items, _), (cpu_items, _) = handed
     assert len(gpu_items) == 1 and gpu_items[0][0].shape == shape
-    assert len(cpu_items) > 1 and all(c[0].numel() <= fused.CHUNK for c in cpu_items)
+    assert len(cpu_items) == 2 and all(c[0].numel() == fused.CHUNK == 2**20 for c in cpu_items)

@@ -27,6 +27,7 @@ SAMPLED = SAMPLED_ESTIMATORS
 def small_chunks(monkeypatch):
     """Many chunks on small tensors (every chunk loop runs; the tests stay fast)."""
     monkeypatch.setattr(_fused, "CHUNK", 1000)
+    monkeypatch.setattr(_fused, "MIN_ELEMENTS", 1000)
 
 
 def formula(name: str, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -282,10 +283,14 @@ def test_old_logprob_importance_weight_on_the_fused_value(name):
     assert_close(results[0][1].double(), torch.where(mask, want_grad, zero), rtol=1e-5, atol=1e-5)
 
 
-def test_less_than_one_chunk_takes_the_composition():
+@pytest.mark.parametrize("threshold", [None, 1000])
+def test_fewer_than_min_elements_take_the_composition(threshold, monkeypatch):
+    if threshold is None:
+        monkeypatch.undo()  # the package's own constants: [8, 4096] is fused, one element fewer is not
+        assert _fused.MIN_ELEMENTS == 8 * 4096
     spec = parse_estimator("k3+")
-    assert not _fused.use_fused(spec, torch.zeros(_fused.CHUNK - 1))
-    assert _fused.use_fused(spec, torch.zeros(_fused.CHUNK))  # one chunk: [8, 4096] at the default
+    assert not _fused.use_fused(spec, torch.zeros(_fused.MIN_ELEMENTS - 1))
+    assert _fused.use_fused(spec, torch.zeros(_fused.MIN_ELEMENTS))
     assert not _fused.use_fused(parse_estimator("k3+"), torch.zeros(0))
 
 

@@ -7,8 +7,8 @@ stream, which keeps the device busy with one thread.
 There was a pool of Python threads here (each running single-threaded ops) until
 ``benchmarks/bench_cpu_machinery.py`` measured it against this loop on the project's 2-core machine:
 forward+backward of ``token_logprobs`` and ``full_kl`` at ``[512, 32768]`` and ``[1024, 37984]``,
-float32 and bf16, the pool was 0.92x to 1.22x the loop's speed on an idle machine, and 0.90x to 1.21x
-under a load of 8 with ``OMP_WAIT_POLICY=PASSIVE``, short of the 1.3x it had to show to stay. Its only
+float32 and bf16, the pool was 0.92x-1.22x and 0.98x-1.21x the loop's speed in two runs at low load,
+and 0.90x-1.21x under a load of 8 with ``OMP_WAIT_POLICY=PASSIVE``, short of the 1.3x it had to show. Its only
 large win (2x to 30x, under a load of 8 to 10) came from libgomp's default wait policy: torch's
 OpenMP threads spin at every barrier, and on oversubscribed cores they spin in place of the thread
 that has work. ``OMP_WAIT_POLICY=PASSIVE`` in the environment (read when torch is imported) removes

@@ -5,9 +5,9 @@ clamp, exp, add, then ``k2 - k2.detach() + value.detach()``) makes about a dozen
 and keeps several full-size temporaries alive until backward. Here one
 :class:`torch.autograd.Function` per call
 
-* walks the inputs in cache-sized chunks (:data:`CHUNK` elements on CPU), does every step of a chunk
-  in place in small scratch buffers that stay in cache, and writes the value once; the chunks run in
-  order through the package's chunk runner (:mod:`lightning_kl.ground.chunks`);
+* walks the inputs in chunks (:data:`CHUNK` elements on CPU), does every step of a chunk in place in
+  a few chunk-sized scratch buffers, and writes the value once; the chunks run in order through the
+  package's chunk runner (:mod:`lightning_kl.ground.chunks`), each op on a chunk with torch's threads;
 * saves only ``logprob``, ``ref_logprob`` and the mask (tensors the caller holds anyway), and in
   backward recomputes what the gradient needs chunk by chunk, reading the incoming gradient once and
   writing ``grad_logprob`` (and ``grad_ref = -grad_logprob``, only when ``ref_logprob`` requires a
@@ -15,8 +15,8 @@ and keeps several full-size temporaries alive until backward. Here one
 * is skipped altogether when no input requires a gradient (the callback's ``no_grad`` path): the
   chunked forward runs with no autograd bookkeeping.
 
-Inputs smaller than one chunk (on CPU) keep the composition (:func:`use_fused`): they sit in cache
-either way, and a dozen plain ops cost less Python than the fused set-up. On other devices the
+Inputs of fewer than :data:`MIN_ELEMENTS` elements (on CPU) keep the composition (:func:`use_fused`):
+they sit in cache either way, and a dozen plain ops cost less Python than the fused set-up. On other devices the
 whole tensor is one chunk (one kernel per step, in place); that path has not been timed on a GPU.
 
 Semantics are those of the composition, term for term (the estimator table of the docs): ``k3`` is the k3 of ``d``
@@ -56,15 +56,20 @@ from torch import Tensor
 from lightning_kl.estimators import K3_CLAMP, LOW_VAR_KL_CLAMP, EstimatorSpec, estimator_value
 from lightning_kl.ground.chunks import run_chunks
 
-__all__ = ["CHUNK", "ENABLED", "FUSED_BASES", "fused_kl_value", "use_fused"]
+__all__ = ["CHUNK", "ENABLED", "FUSED_BASES", "MIN_ELEMENTS", "fused_kl_value", "use_fused"]
 
-#: Elements per chunk on CPU: torch's grain (32768), the largest block an elementwise op runs
-#: inline on its calling thread without opening an OpenMP region; its few float32 scratch buffers
-#: (128 KiB each) stay in a core's L2 cache. The chunks run one after the other on one thread, and
-#: still beat the composition on two (``benchmarks/bench_cpu_machinery.py``; docs/performance.md). Other devices take the whole tensor as one chunk (one
+#: Elements per chunk on CPU: 2^20, 32 of torch's grains, so that each op on a chunk runs on torch's
+#: intra-op threads; its two or three float32 scratch buffers are 4 MiB each. Measured on 2 cores
+#: (``benchmarks/bench_cpu_machinery.py``, docs/performance.md): chunks of torch's grain (32768, every
+#: op inline on the calling thread) were 0.90x-1.65x the composition's speed at 256K-1M tokens, these
+#: 1.1x-3.2x; at 8M tokens chunks of 2^20 were 1.7x-4.3x faster than whole-tensor ops. Other devices take the whole tensor as one chunk (one
 #: kernel launch per step: the in-place work and the saved-nothing backward still apply); its two or
 #: three float32 scratch buffers are the size of the value (``[b, t]``: 32 MiB each at 8M tokens).
-CHUNK = 1 << 15
+CHUNK = 1 << 20
+
+#: Inputs of fewer elements take the composition on CPU (:func:`use_fused`): at 32768 (``[8, 4096]``) the
+#: fused kernel was 1.45x-1.7x faster, at 1K-2K elements the composition up to 2x.
+MIN_ELEMENTS = 1 << 15
 
 #: Set to False to route :func:`lightning_kl.functional.kl_penalty_compute` through the plain
 #: composition (the benchmark and the tests compare both).
@@ -77,14 +82,15 @@ FUSED_BASES: frozenset[str] = frozenset(("k1", "abs", "k2", "k3", "low_var_kl"))
 def use_fused(spec: EstimatorSpec, logprob: Tensor) -> bool:
     """Whether :func:`fused_kl_value` serves ``spec`` on ``logprob`` (else the caller composes the maths).
 
-    Inputs of less than one chunk (on CPU) take the composition: they fit in cache whichever way, and
-    its dozen ops cost less Python than the fused path's set-up (up to 2x faster at 1K-2K tokens; from
-    one chunk, ``[8, 4096]``, the fused path is 1.2x to 1.8x faster: ``benchmarks/bench_cpu_machinery.py``).
+    Inputs of fewer than :data:`MIN_ELEMENTS` elements (on CPU) take the composition: they fit in cache
+    whichever way, and its dozen ops cost less Python than the fused path's set-up (up to 2x faster
+    at 1K-2K tokens; from 32768, ``[8, 4096]``, the fused path is faster:
+    ``benchmarks/bench_cpu_machinery.py``).
     """
     return (
         ENABLED
         and spec.base in FUSED_BASES
-        and (logprob.numel() >= CHUNK or logprob.device.type != "cpu")
+        and (logprob.numel() >= MIN_ELEMENTS or logprob.device.type != "cpu")
         and not torch.compiler.is_compiling()
     )
 
@@ -230,9 +236,7 @@ def _run(
 ) -> None:
     """``work(chunk, scratch)`` for every chunk, through :func:`~lightning_kl.ground.chunks.run_chunks`.
 
-    Each chunk is small enough (<= 32768 elements on CPU: torch's grain) that every op on it runs
-    inline on the calling thread; ``n_scratch`` buffers, shaped like the first (a largest) chunk,
-    serve every chunk.
+    ``n_scratch`` buffers, shaped like the first (a largest) chunk, serve every chunk.
     """
     shape = chunks[0][0].shape if chunks else (0,)
 
