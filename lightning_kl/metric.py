@@ -11,7 +11,7 @@ from torchmetrics import Metric
 from lightning_kl.ground.checks import check_floating, check_mask
 from lightning_kl.ground.parallel import check_parallel_args, data_parallel_group
 
-__all__ = ["KLMetric"]
+__all__ = ["DataParallelMetric", "KLMetric"]
 
 
 def _kl_metric_update(values: Tensor, mask: Optional[Tensor], checked: bool = False) -> tuple[Tensor, Tensor]:
@@ -30,7 +30,34 @@ def _kl_metric_compute(total: Tensor, count: Tensor) -> Tensor:
     return (total / count).to(total.dtype)
 
 
-class KLMetric(Metric):
+class DataParallelMetric(Metric):
+    """A torchmetrics ``Metric`` whose state is reduced over the data parallel group, not the world.
+
+    ``process_group`` or ``device_mesh`` when given (checked here), else the group found by
+    :func:`~lightning_kl.ground.parallel.data_parallel_group` when the state is synced. The base of
+    :class:`KLMetric` and :class:`~lightning_kl.MismatchMetric`.
+    """
+
+    def __init__(self, process_group: Any = None, device_mesh: Any = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        check_parallel_args(process_group, device_mesh)
+        self.data_parallel = (process_group, device_mesh)
+
+    def sync(
+        self,
+        dist_sync_fn: Optional[Callable] = None,
+        process_group: Optional[Any] = None,
+        should_sync: bool = True,
+        distributed_available: Optional[Callable] = None,
+    ) -> None:
+        # torchmetrics syncs over the world by default; here over the data parallel group
+        if should_sync and process_group is None:
+            dp = data_parallel_group(*self.data_parallel)
+            should_sync, process_group = dp.size > 1, dp.group
+        super().sync(dist_sync_fn, process_group, should_sync, distributed_available)
+
+
+class KLMetric(DataParallelMetric):
     r"""Token-mean of per-token KL values over every valid token seen since the last reset.
 
     .. math::
@@ -86,9 +113,7 @@ class KLMetric(Metric):
     count: Tensor
 
     def __init__(self, process_group: Any = None, device_mesh: Any = None, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        check_parallel_args(process_group, device_mesh)
-        self.data_parallel = (process_group, device_mesh)
+        super().__init__(process_group, device_mesh, **kwargs)
         self.add_state("total", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
         self.add_state("count", default=torch.tensor(0, dtype=torch.int64), dist_reduce_fx="sum")
 
@@ -100,16 +125,3 @@ class KLMetric(Metric):
 
     def compute(self) -> Tensor:
         return _kl_metric_compute(self.total, self.count)
-
-    def sync(
-        self,
-        dist_sync_fn: Optional[Callable] = None,
-        process_group: Optional[Any] = None,
-        should_sync: bool = True,
-        distributed_available: Optional[Callable] = None,
-    ) -> None:
-        # torchmetrics syncs over the world by default; here over the data parallel group
-        if should_sync and process_group is None:
-            dp = data_parallel_group(*self.data_parallel)
-            should_sync, process_group = dp.size > 1, dp.group
-        super().sync(dist_sync_fn, process_group, should_sync, distributed_available)

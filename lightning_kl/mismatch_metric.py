@@ -3,19 +3,18 @@ r"""``MismatchMetric``: the rollout/trainer mismatch diagnostics, exact across p
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
-from torchmetrics import Metric
 
-from lightning_kl.ground.parallel import check_parallel_args, data_parallel_group
+from lightning_kl.metric import DataParallelMetric
 from lightning_kl.mismatch import TOTALS_REDUCTIONS, check_mismatch_inputs, mismatch_compute, mismatch_totals
 
 __all__ = ["MismatchMetric"]
 
 
-class MismatchMetric(Metric):
+class MismatchMetric(DataParallelMetric):
     r""":func:`~lightning_kl.mismatch_metrics` over every batch seen since the last reset, on every process.
 
     The state is the float64 sums, int64 token and sequence counts, maxima and minima of
@@ -50,9 +49,7 @@ class MismatchMetric(Metric):
     full_state_update = False
 
     def __init__(self, process_group: Any = None, device_mesh: Any = None, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        check_parallel_args(process_group, device_mesh)
-        self.data_parallel = (process_group, device_mesh)
+        super().__init__(process_group, device_mesh, **kwargs)
         for name, how in TOTALS_REDUCTIONS.items():
             if name in ("tokens", "sequences"):
                 default = torch.tensor(0, dtype=torch.int64)
@@ -76,16 +73,3 @@ class MismatchMetric(Metric):
 
     def compute(self) -> dict[str, Tensor]:
         return mismatch_compute({name: getattr(self, name) for name in TOTALS_REDUCTIONS})
-
-    def sync(
-        self,
-        dist_sync_fn: Optional[Callable] = None,
-        process_group: Optional[Any] = None,
-        should_sync: bool = True,
-        distributed_available: Optional[Callable] = None,
-    ) -> None:
-        # torchmetrics syncs over the world by default; here over the data parallel group
-        if should_sync and process_group is None:
-            dp = data_parallel_group(*self.data_parallel)
-            should_sync, process_group = dp.size > 1, dp.group
-        super().sync(dist_sync_fn, process_group, should_sync, distributed_available)
