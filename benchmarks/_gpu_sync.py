@@ -382,7 +382,7 @@ def _hf_call(device: torch.device, which: str) -> Callable[[], Any]:
     return lambda: lk.hf.reference_logprobs(model, sequences, am, 3)
 
 
-_IDS = "the id range check reads the ids' min and max on the host (ground/checks.py: check_tokens)"
+_IDS = "the id range check reads the ids' min and max on the host (vocab_inputs.py: check_tokens)"
 _H2D = "copies a Python number or list to the device (torch.tensor / torch.as_tensor on CUDA waits for the copy)"
 
 #: Every call checked under sync-debug: (name, public names covered, inputs, why it syncs today).

@@ -23,14 +23,13 @@ from torch import Tensor
 from lightning_kl.estimators import K3_CLAMP, EstimatorSpec, estimator_value, parse_estimator
 from lightning_kl.ground.checks import (
     check_floating,
-    check_full_hidden_inputs,
-    check_full_inputs,
     check_mask,
     check_matching,
     check_temperature,
     check_values,
     warn_if_reference_requires_grad,
 )
+from lightning_kl.vocab_inputs import check_full_hidden_inputs, check_full_inputs
 from lightning_kl.ground.sampler import Sampling
 from lightning_kl.ground.vocab_shards import is_vocab_parallel, local_part, sampled_locals
 from lightning_kl.kernels import fused

@@ -19,6 +19,7 @@ LAYER_OF = {
     "sampling": 2,
     "accumulation": 2,
     "mixing": 2,
+    "vocab_inputs": 2,
     "mismatch": 2,
 }  # shells and integrations (the rest): 3
 

@@ -6,7 +6,7 @@ the choice in a static variable: it stores the raw CPU id there first and the ma
 few instructions later. A thread that calls a vector-math function in between reads the raw id and
 runs another kernel for that call; on Intel AVX-512 hosts that is the low-accuracy ``exp`` (about
 3e-9 relative). Two threads make that first call together whenever a process starts with parallel
-work: torch's own OpenMP threads on a large input, or the package's chunk threads; a fresh process
+work: torch's own OpenMP threads on a large input (or a user's own threads); a fresh process
 and every spawned worker start over. Traced in this package as a full KL up to 3e-10 off the float64
 formula in about 1 fresh process of 4; nothing in the package itself is racy.
 
