@@ -12,7 +12,7 @@ import torch
 import lightning_kl as lk
 from lightning_kl.ground import checks
 
-LAYER = {"ground": 0, "kernels": 1, "estimators": 1, "functional": 2, "sequence": 2, "logprobs": 2, "sampling": 2, "accumulation": 2, "mixing": 2}
+LAYER = {"ground": 0, "kernels": 1, "estimators": 1, "functional": 2, "sequence": 2, "logprobs": 2, "sampling": 2, "accumulation": 2, "mixing": 2, "vocab_inputs": 2, "mismatch": 2}
 
 
 def _layer(module: str) -> int:
