@@ -84,7 +84,7 @@ __all__ = [
 # indices). From hidden states a chunk's logits are a matmul that reads the whole head: it needs
 # enough rows to be compute bound (2^23 elements on CPU: 55 rows at V = 151,936; at least 16 rows).
 # Without truncation a head's chunk is a block of 4096 rows walked by vocabulary tiles of 2^22 elements
-# on CPU (16 MiB in float32), 2^25 on GPU: the head is read once per block (see :func:`merge_lse`).
+# on CPU (16 MiB in float32), 2^25 on GPU: the head is read once per block.
 CPU_CHUNK_ELEMENTS = 2**19
 CUDA_CHUNK_ELEMENTS = 2**25
 HIDDEN_CPU_CHUNK_ELEMENTS = 2**23
@@ -127,11 +127,11 @@ class Partition:
 
     def lse(self, local: Tensor) -> Tensor:
         """The log-sum-exp over the ranks from each rank's ``[..., n]``: a ``MAX``, then a ``SUM`` of exponentials."""
-        return local if self.ranks == 1 else merge_lse(local, self.reduce)
+        return local if self.ranks == 1 else _merge_lse(local, self.reduce)
 
     def combine(self, local: Tensor, glob: Tensor, value: Tensor) -> Tensor:
         """``sum_k w_k value_k`` with ``w_k = exp(local_k - glob)`` (0 where ``w_k = 0``): the per-rank parts."""
-        return value if self.ranks == 1 else merge_parts(local, glob, value, self.reduce)
+        return value if self.ranks == 1 else _merge_parts(local, glob, value, self.reduce)
 
 
 WHOLE = Partition()
@@ -141,7 +141,7 @@ def _over_tiles(x: Tensor, op: str) -> Tensor:
     return x.amax(0) if op == _MAX else x.sum(0)
 
 
-def merge_lse(local: Tensor, reduce: Callable[[Tensor, str], Tensor] = _over_tiles) -> Tensor:
+def _merge_lse(local: Tensor, reduce: Callable[[Tensor, str], Tensor] = _over_tiles) -> Tensor:
     """The log-sum-exp of parts' log-sum-exps: a max, then a sum of exponentials, either over the
     ranks (``reduce`` an ``all_reduce``) or over the first dim, vocabulary tiles (the default)."""
     m = reduce(local.clone(), _MAX)
@@ -149,7 +149,7 @@ def merge_lse(local: Tensor, reduce: Callable[[Tensor, str], Tensor] = _over_til
     return reduce(torch.exp(local - m), _SUM).log_().add_(m)
 
 
-def merge_parts(local: Tensor, glob: Tensor, value: Tensor, reduce: Callable[[Tensor, str], Tensor] = _over_tiles) -> Tensor:
+def _merge_parts(local: Tensor, glob: Tensor, value: Tensor, reduce: Callable[[Tensor, str], Tensor] = _over_tiles) -> Tensor:
     """``sum_k w_k value_k`` with ``w_k = exp(local_k - glob)`` (0 where ``w_k = 0``), over ranks or tiles."""
     w = torch.exp(local - glob)
     return reduce(torch.where(w > 0, w * value, 0), _SUM)
@@ -408,7 +408,7 @@ class _LogProb(torch.autograd.Function):
                         e.div_(temp)
                     part_lse[k] = e.exp_().sum(dim=-1).log_().add_(m.squeeze(1) / temp)
                     del chunk, e  # freed before the next tile's matmul
-                stats[0, pos] = part_lse[0] if len(tiles) == 1 else merge_lse(part_lse)
+                stats[0, pos] = part_lse[0] if len(tiles) == 1 else _merge_lse(part_lse)
                 return
             z = src.scores(idx, dtype, temp)
             removed = process_scores(z if support is None else support.scores(idx, dtype, temp), sampling) == _NINF
@@ -583,9 +583,9 @@ class _FullKL(torch.autograd.Function):
                 parts[k, 2] = torch.sub(logp, logq, out=logq).mul_(p).masked_fill_(p == 0, 0).sum(-1)
                 del logp, logq, p
             many = len(tiles) > 1  # the tiles combine as the ranks do (see Partition)
-            stats[:2, pos] = lse = merge_lse(parts[:, :2]) if many else parts[0, :2]
+            stats[:2, pos] = lse = _merge_lse(parts[:, :2]) if many else parts[0, :2]
             kl = parts[:, 2] + (parts[:, 0] - lse[0]) - (parts[:, 1] - lse[1]) if many else parts[0, 2]
-            stats[2, pos] = merge_parts(parts[:, 0], lse[0], kl) if many else kl
+            stats[2, pos] = _merge_parts(parts[:, 0], lse[0], kl) if many else kl
 
         _run(work, (src, ref), rows)
         local = stats[:2] if invalid is None else stats[:2].masked_fill(invalid, 0)  # NaN padding stays out
@@ -695,8 +695,8 @@ class _Entropy(torch.autograd.Function):
                 parts[k, 1] = logp.exp().mul_(logp).masked_fill_(logp == _NINF, 0).sum(-1).neg_()
                 del logp
             many = len(tiles) > 1  # the tiles combine as the ranks do (see Partition)
-            stats[0, pos] = lse = merge_lse(parts[:, 0]) if many else parts[0, 0]
-            stats[1, pos] = merge_parts(parts[:, 0], lse, parts[:, 1] + lse - parts[:, 0]) if many else parts[0, 1]
+            stats[0, pos] = lse = _merge_lse(parts[:, 0]) if many else parts[0, 0]
+            stats[1, pos] = _merge_parts(parts[:, 0], lse, parts[:, 1] + lse - parts[:, 0]) if many else parts[0, 1]
 
         _run(work, (src,), rows)
         local = stats[0] if invalid is None else stats[0].masked_fill(invalid, 0)
