@@ -64,8 +64,8 @@ def test_off_the_cpu_the_chunks_run_in_order_in_the_calling_thread_with_one_stat
     assert threads == {threading.current_thread().name}
 
 
-def _logprobs(x, ids, weight=None):
-    return engine.token_logprobs_kernel(engine.Tensors(x, weight), ids, None, Sampling())
+def _logprobs(x, ids, weight=None, sampling=Sampling()):
+    return engine.token_logprobs_kernel(engine.Tensors(x, weight), ids, None, sampling)
 
 
 def test_token_logprobs_chunks_are_sized_for_the_device(handed):
@@ -86,10 +86,21 @@ def test_token_logprobs_from_hidden_chunks_are_sized_for_the_device(handed):
         _logprobs(torch.empty(N, D, device=META), ids.to(META), torch.empty(V, D, device=META))
     with pytest.raises(Handed):
         _logprobs(torch.zeros(()).expand(N, D), ids, torch.zeros(()).expand(V, D))
-    (gpu_items, _), (cpu_items, _) = handed
-    # rows over the whole vocabulary: max(16, 2^25 // V) = 220 on GPU, max(16, 2^23 // V) = 55 on CPU
-    assert [_rows(i) for i in gpu_items] == [220] * 4 + [120]
-    assert _rows(cpu_items[0]) == 55 and len(cpu_items) == -(-N // 55)
+    # truncation needs whole rows: max(16, 2^25 // V) = 220 on GPU, max(16, 2^23 // V) = 55 on CPU
+    top_k = Sampling(top_k=5)
+    with pytest.raises(Handed):
+        _logprobs(torch.empty(N, D, device=META), ids.to(META), torch.empty(V, D, device=META), top_k)
+    with pytest.raises(Handed):
+        _logprobs(torch.zeros(()).expand(N, D), ids, torch.zeros(()).expand(V, D), top_k)
+    (gpu_items, _), (cpu_items, _), (gpu_whole, _), (cpu_whole, _) = handed
+    assert [_rows(i) for i in gpu_whole] == [220] * 4 + [120]
+    assert _rows(cpu_whole[0]) == 55 and len(cpu_whole) == -(-N // 55)
+    # else one block of up to 4096 rows (all 1000 here) walked by vocabulary tiles: 2^25 // 1000 =
+    # 33,554 columns on GPU, 2^22 // 1000 = 4,194 on CPU
+    assert [_rows(i) for i in gpu_items] == [_rows(i) for i in cpu_items] == [N] and engine.HIDDEN_BLOCK_ROWS == 4096
+    for device, width in ((META, 33_554), (CPU, 4_194)):
+        tiles = engine.Source(engine.Tensors(torch.empty(1, D, device=device), torch.empty(V, D, device=device))).tiles(N, True)
+        assert [t.stop - t.start for t in tiles] == [width] * (V // width) + [V % width]
 
 
 def test_full_kl_chunks_are_sized_for_the_device(handed):
@@ -101,7 +112,13 @@ def test_full_kl_chunks_are_sized_for_the_device(handed):
             torch.empty(N, D, device=META), torch.empty(V, D, device=META), None,
             torch.empty(N, D, device=META), torch.empty(V, D, device=META), None, None,
         )
-    assert [_rows(i) for i in handed[1][0]] == [220] * 4 + [120]  # max(16, 2^25 // V)
+    assert [_rows(i) for i in handed[1][0]] == [N]  # one block of up to 4096 rows, walked by vocabulary tiles
+    with pytest.raises(Handed):
+        full_kernel.full_kl_from_hidden_compute(
+            torch.empty(N, D, device=META), torch.empty(V, D, device=META), None,
+            torch.empty(N, D, device=META), torch.empty(V, D, device=META), None, None, Sampling(top_p=0.9),
+        )
+    assert [_rows(i) for i in handed[2][0]] == [220] * 4 + [120]  # whole rows for truncation: max(16, 2^25 // V)
 
 
 def test_fused_estimators_take_the_whole_tensor_as_one_chunk_off_the_cpu(handed):

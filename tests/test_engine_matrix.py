@@ -256,3 +256,25 @@ def test_bad_calls_name_the_problem() -> None:
         lk.token_entropy(z, torch.ones(2, 4, dtype=torch.bool))
     with pytest.raises(TypeError, match=r"not with \['temperature'\]"):
         lk.full_kl(z, z, sampling=lk.Sampling(), temperature=0.5)
+
+
+@pytest.mark.parametrize("name", ["none", "T", "top_k"])
+@pytest.mark.parametrize("elements", [3, 12, 15])
+@pytest.mark.parametrize("quantity", ["logprobs", "entropy", "kl"])
+def test_a_head_tiles_the_vocabulary_inside_a_row_block(monkeypatch, name: str, elements: int, quantity: str) -> None:
+    """Tiles of 1, 4 (the last one 1 wide) and 5 columns at chunks of 3 rows, their log-sum-exps merged:
+    the same values and gradients (top-k needs whole rows: it keeps them)."""
+    from lightning_kl.kernels import engine
+
+    counts = []
+    real = engine.Source.tiles
+    monkeypatch.setattr(engine, "HIDDEN_CPU_TILE_ELEMENTS", elements)
+    monkeypatch.setattr(engine.Source, "tiles", lambda self, *a: counts.append(len(real(self, *a))) or real(self, *a))
+    if quantity == "logprobs":
+        test_token_logprobs_and_kept_mass("hidden", name)
+    elif quantity == "entropy":
+        test_entropy("hidden", name)
+    else:
+        for reference in REFERENCES:
+            test_full_kl("hidden", name, reference)
+    assert max(counts) == (1 if name == "top_k" else -(-V // (elements // 3)))

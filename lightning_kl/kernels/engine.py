@@ -5,7 +5,8 @@ logits, :math:`T` the temperature. Four parts:
 
 * a **row source** (:class:`Source`): logits ``[..., V]`` read by chunks of rows in place, or hidden
   states ``[..., d]`` times an LM head ``[V, d]`` (plus a bias), each chunk's logits made by a matmul
-  in forward and again in backward, so that the ``[n, V]`` logits never exist;
+  in forward and again in backward, so that the ``[n, V]`` logits never exist; without truncation a
+  head's chunk is a block of rows walked by vocabulary tiles, combined as the ranks are (below);
 * a **vocabulary partition** (:class:`Partition`): the whole vocabulary, or this rank's columns
   ``[o_k, o_k + V_k)`` of a vocabulary split over a process group. Each rank reduces its own columns
   to a few numbers per row and these are combined over the ranks (a ``MAX``, then a ``SUM`` of
@@ -62,7 +63,9 @@ from lightning_kl.kernels.processing import process_scores
 __all__ = [
     "CPU_CHUNK_ELEMENTS",
     "CUDA_CHUNK_ELEMENTS",
+    "HIDDEN_BLOCK_ROWS",
     "HIDDEN_CPU_CHUNK_ELEMENTS",
+    "HIDDEN_CPU_TILE_ELEMENTS",
     "HIDDEN_MIN_CHUNK_ROWS",
     "REFERENCES",
     "WHOLE",
@@ -80,10 +83,14 @@ __all__ = [
 # 128 MiB per float32 temporary (a few per chunk; the sampler's sort adds its values and int64
 # indices). From hidden states a chunk's logits are a matmul that reads the whole head: it needs
 # enough rows to be compute bound (2^23 elements on CPU: 55 rows at V = 151,936; at least 16 rows).
+# Without truncation a head's chunk is a block of 4096 rows walked by vocabulary tiles of 2^22 elements
+# on CPU (16 MiB in float32), 2^25 on GPU: the head is read once per block.
 CPU_CHUNK_ELEMENTS = 2**19
 CUDA_CHUNK_ELEMENTS = 2**25
 HIDDEN_CPU_CHUNK_ELEMENTS = 2**23
 HIDDEN_MIN_CHUNK_ROWS = 16
+HIDDEN_BLOCK_ROWS = 4096
+HIDDEN_CPU_TILE_ELEMENTS = 2**22
 
 #: The references a processed policy's KL can be taken against (see :func:`full_kl_kernel`).
 REFERENCES = ("unprocessed", "processed", "policy_kept")
@@ -120,21 +127,32 @@ class Partition:
 
     def lse(self, local: Tensor) -> Tensor:
         """The log-sum-exp over the ranks from each rank's ``[..., n]``: a ``MAX``, then a ``SUM`` of exponentials."""
-        if self.ranks == 1:
-            return local
-        m = self.reduce(local.clone(), _MAX)
-        m = m.masked_fill_(m == _NINF, 0)  # a row that is -inf on every rank keeps lse = -inf, not NaN
-        return self.reduce(torch.exp(local - m), _SUM).log_().add_(m)
+        return local if self.ranks == 1 else _merge_lse(local, self.reduce)
 
     def combine(self, local: Tensor, glob: Tensor, value: Tensor) -> Tensor:
         """``sum_k w_k value_k`` with ``w_k = exp(local_k - glob)`` (0 where ``w_k = 0``): the per-rank parts."""
-        if self.ranks == 1:
-            return value
-        w = torch.exp(local - glob)
-        return self.reduce(torch.where(w > 0, w * value, 0), _SUM)
+        return value if self.ranks == 1 else _merge_parts(local, glob, value, self.reduce)
 
 
 WHOLE = Partition()
+
+
+def _over_tiles(x: Tensor, op: str) -> Tensor:
+    return x.amax(0) if op == _MAX else x.sum(0)
+
+
+def _merge_lse(local: Tensor, reduce: Callable[[Tensor, str], Tensor] = _over_tiles) -> Tensor:
+    """The log-sum-exp of parts' log-sum-exps: a max, then a sum of exponentials, either over the
+    ranks (``reduce`` an ``all_reduce``) or over the first dim, vocabulary tiles (the default)."""
+    m = reduce(local.clone(), _MAX)
+    m = m.masked_fill_(m == _NINF, 0)  # a row that is -inf everywhere keeps lse = -inf, not NaN
+    return reduce(torch.exp(local - m), _SUM).log_().add_(m)
+
+
+def _merge_parts(local: Tensor, glob: Tensor, value: Tensor, reduce: Callable[[Tensor, str], Tensor] = _over_tiles) -> Tensor:
+    """``sum_k w_k value_k`` with ``w_k = exp(local_k - glob)`` (0 where ``w_k = 0``), over ranks or tiles."""
+    w = torch.exp(local - glob)
+    return reduce(torch.where(w > 0, w * value, 0), _SUM)
 
 
 class Source:
@@ -165,28 +183,37 @@ class Source:
         assert self.flat is not None
         return self.flat[idx] if isinstance(idx, slice) else self.flat.index_select(0, idx)
 
-    def read(self, idx: slice | Tensor) -> tuple[Tensor, bool]:
-        """The logits of rows ``idx`` as ``[c, V]``, and whether that is a fresh tensor (ours to overwrite)."""
+    def tiles(self, rows: int, tiled: bool) -> list[slice]:
+        """The vocabulary tiles of a chunk of ``rows`` rows: the whole vocabulary unless ``tiled`` and from a head."""
+        if not tiled or self.weight is None:
+            return [slice(0, self.vocab)]
+        width = max(1, (HIDDEN_CPU_TILE_ELEMENTS if self.device.type == "cpu" else CUDA_CHUNK_ELEMENTS) // max(rows, 1))
+        return [slice(c, min(c + width, self.vocab)) for c in range(0, self.vocab, width)]
+
+    def read(self, idx: slice | Tensor, cols: slice = slice(None)) -> tuple[Tensor, bool]:
+        """The logits of rows ``idx`` (columns ``cols`` of a head), and whether that is a fresh tensor (ours to overwrite)."""
         if self.weight is not None:
-            return F.linear(self.rows(idx), self.weight, self.bias), True
+            return F.linear(self.rows(idx), self.weight[cols], None if self.bias is None else self.bias[cols]), True
         if self.flat is not None:
             return self.rows(idx), not isinstance(idx, slice)
         return self.x[torch.unravel_index(idx, self.lead)], True
 
-    def scores(self, idx: slice | Tensor, dtype: torch.dtype, temperature: float) -> Tensor:
+    def scores(self, idx: slice | Tensor, dtype: torch.dtype, temperature: float, cols: slice = slice(None)) -> Tensor:
         """``z / T`` of rows ``idx`` in the compute dtype, always a fresh tensor (as ``generate`` divides)."""
-        chunk, fresh = self.read(idx)
+        chunk, fresh = self.read(idx, cols)
         z = chunk.to(dtype)
         own = fresh or z is not chunk
         if temperature != 1.0:
             return z.div_(temperature) if own else z / temperature
         return z if own else z.clone()
 
-    def chunk_rows(self, chunk_size: Optional[int]) -> int:
+    def chunk_rows(self, chunk_size: Optional[int], tiled: bool = False) -> int:
         """Rows per chunk: ``chunk_size``, or the device's default (the constants above)."""
         if chunk_size is not None:
             return chunk_size
         cpu = self.device.type == "cpu"
+        if tiled and self.weight is not None:
+            return HIDDEN_BLOCK_ROWS
         if self.weight is None:
             return max(1, (CPU_CHUNK_ELEMENTS if cpu else CUDA_CHUNK_ELEMENTS) // max(self.vocab, 1))
         return max(HIDDEN_MIN_CHUNK_ROWS, (HIDDEN_CPU_CHUNK_ELEMENTS if cpu else CUDA_CHUNK_ELEMENTS) // max(self.vocab, 1))
@@ -209,11 +236,11 @@ def _run(work: Callable[[tuple[slice, slice | Tensor], Any], None], srcs: tuple[
 
 
 def _scratch(state: dict[str, Tensor], shape: torch.Size, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """A worker's reusable ``[rows, V]`` buffer (grown on demand; chunks after the first are no larger)."""
+    """A reusable contiguous ``[rows, cols]`` buffer (grown on demand; chunks after the first are no larger)."""
     buf = state.get("buf")
-    if buf is None or buf.shape[0] < shape[0] or buf.shape[1] != shape[1]:
-        buf = state["buf"] = torch.empty(tuple(shape), dtype=dtype, device=device)
-    return buf[: shape[0]]
+    if buf is None or buf.numel() < shape.numel():
+        buf = state["buf"] = torch.empty(shape.numel(), dtype=dtype, device=device)
+    return buf[: shape.numel()].view(shape)
 
 
 class LogitsGrad:
@@ -227,8 +254,8 @@ class LogitsGrad:
         """The rows a chunk's gradient can be computed in directly (same dtype), else None."""
         return self.grad[pos] if self.grad.dtype == dtype else None
 
-    def put(self, pos: slice, idx: slice | Tensor, g: Tensor) -> None:
-        dst = self.grad[pos]
+    def put(self, pos: slice, idx: slice | Tensor, g: Tensor, cols: slice = slice(None)) -> None:
+        dst = self.grad[pos]  # logits come by whole rows
         if dst.data_ptr() != g.data_ptr():
             dst.copy_(g)
 
@@ -257,11 +284,12 @@ class HeadGrad:
     def direct(self, pos: slice, dtype: torch.dtype) -> Optional[Tensor]:
         return None
 
-    def put(self, pos: slice, idx: slice | Tensor, g: Tensor) -> None:
+    def put(self, pos: slice, idx: slice | Tensor, g: Tensor, cols: slice = slice(None)) -> None:
+        """Add a chunk's (or a vocabulary tile's: columns ``cols``) share of the three gradients."""
         w = self.src.weight
         assert w is not None
         if self.grad_h is not None:
-            self.grad_h[pos] = torch.mm(g.to(w.dtype), w)
+            self.grad_h[pos] += torch.mm(g.to(w.dtype), w[cols])
         if self.acc_w is not None or self.acc_b is not None:
             h = self.src.rows(idx)
             if self.invalid is not None:
@@ -269,9 +297,9 @@ class HeadGrad:
             h = h.to(self.dtype)
             with self.lock:  # chunks run concurrently and all add to the same [V, d]
                 if self.acc_w is not None:
-                    torch.addmm(self.acc_w, g.T, h, out=self.acc_w)
+                    torch.addmm(self.acc_w[cols], g.T, h, out=self.acc_w[cols])
                 if self.acc_b is not None:
-                    self.acc_b += g.sum(0)
+                    self.acc_b[cols] += g.sum(0)
 
     def result(self, part: Partition) -> tuple[Optional[Tensor], ...]:
         src, w = self.src, self.src.weight
@@ -291,6 +319,12 @@ def _writer(src: Source, needs: tuple[bool, ...], dtype: torch.dtype, invalid: O
 
 def _grads(writer: Optional[LogitsGrad | HeadGrad], part: Partition) -> tuple[Optional[Tensor], ...]:
     return (None, None, None) if writer is None else (*writer.result(part), None, None)[:3]
+
+
+def _in_tile(col: Tensor, cols: slice) -> tuple[Tensor, Tensor]:
+    """Which columns ``col [c, 1]`` lie in the tile ``cols``, and their column there (clamped into it, ``[c, 1]``)."""
+    col = col.squeeze(1)
+    return (col >= cols.start) & (col < cols.stop), (col - cols.start).clamp_(0, cols.stop - cols.start - 1).unsqueeze(1)
 
 
 def _zero_invalid(g: Tensor, invalid: Optional[Tensor], pos: slice) -> Tensor:
@@ -341,8 +375,8 @@ class _LogProb(torch.autograd.Function):
         support = None if kept_from is None else Source(Tensors(kept_from))
         srcs = (src,) if support is None else (src, support)
         n, dtype, device, temp = src.n, compute_dtype(x), x.device, sampling.temperature
-        rows = src.chunk_rows(chunk_size)
         truncated = sampling.truncates or support is not None
+        rows = src.chunk_rows(chunk_size, tiled=not truncated)
         col = ids - part.offset
         owned = (col >= 0) & (col < src.vocab)
         if ignored is not None:
@@ -357,17 +391,24 @@ class _LogProb(torch.autograd.Function):
         def work(item: tuple[slice, slice | Tensor], state: Any) -> None:
             pos, idx = item
             if not truncated:
-                chunk, fresh = src.read(idx)
-                stats[1, pos] = chunk.gather(1, col[pos]).squeeze(1).to(dtype) / temp
-                # lse(z / T) = m / T + log sum exp((z - m) / T): the max is exact in the input dtype,
-                # and one op reads the half chunk and writes the float32 differences into scratch
-                # (or into the chunk itself when it is a fresh one of the compute dtype: a head's)
-                m = chunk.amax(dim=-1, keepdim=True).to(dtype)
-                own = fresh and chunk.dtype == dtype
-                e = torch.sub(chunk, m, out=chunk if own else _scratch(state, chunk.shape, dtype, device))
-                if temp != 1.0:
-                    e.div_(temp)
-                stats[0, pos] = e.exp_().sum(dim=-1).log_().add_(m.squeeze(1) / temp)
+                tiles = src.tiles(pos.stop - pos.start, True)
+                part_lse = torch.empty((len(tiles), pos.stop - pos.start), dtype=dtype, device=device)
+                for k, cols in enumerate(tiles):
+                    chunk, fresh = src.read(idx, cols)
+                    # each id lies in one tile, which gives its score; the others add 0
+                    here, c = _in_tile(col[pos], cols)
+                    stats[1, pos] += torch.where(here, chunk.gather(1, c).squeeze(1).to(dtype) / temp, 0)
+                    # lse(z / T) = m / T + log sum exp((z - m) / T): the max is exact in the input dtype,
+                    # and one op reads the half chunk and writes the float32 differences into scratch
+                    # (or into the chunk itself when it is a fresh one of the compute dtype: a head's)
+                    m = chunk.amax(dim=-1, keepdim=True).to(dtype)
+                    own = fresh and chunk.dtype == dtype
+                    e = torch.sub(chunk, m, out=chunk if own else _scratch(state, chunk.shape, dtype, device))
+                    if temp != 1.0:
+                        e.div_(temp)
+                    part_lse[k] = e.exp_().sum(dim=-1).log_().add_(m.squeeze(1) / temp)
+                    del chunk, e  # freed before the next tile's matmul
+                stats[0, pos] = part_lse[0] if len(tiles) == 1 else _merge_lse(part_lse)
                 return
             z = src.scores(idx, dtype, temp)
             removed = process_scores(z if support is None else support.scores(idx, dtype, temp), sampling) == _NINF
@@ -435,26 +476,29 @@ class _LogProb(torch.autograd.Function):
         def work(item: tuple[slice, slice | Tensor], state: Any) -> None:
             pos, idx = item
             assert writer is not None
-            if not ctx.truncated:
-                chunk, fresh = src.read(idx)
-                # p = exp(z / T - lse) = exp((z - T lse) / T), computed in the gradient itself when it
-                # has the compute dtype (or in a fresh chunk of it), else in a worker's scratch buffer
-                p = writer.direct(pos, dtype)
-                if p is None:
-                    p = chunk if fresh and chunk.dtype == dtype else _scratch(state, chunk.shape, dtype, src.device)
-                p = torch.sub(chunk, lse_t[pos], out=p)
-                if temp != 1.0:
-                    p.div_(temp)
-            else:
-                p = src.scores(idx, dtype, temp)
-                if redo:
-                    p.masked_fill_(process_scores(p if support is None else support.scores(idx, dtype, temp), sampling) == _NINF, _NINF)
+            for cols in src.tiles(pos.stop - pos.start, not ctx.truncated):
+                if not ctx.truncated:
+                    chunk, fresh = src.read(idx, cols)
+                    # p = exp(z / T - lse) = exp((z - T lse) / T), computed in the gradient itself when it
+                    # has the compute dtype (or in a fresh chunk of it), else in a scratch buffer
+                    p = writer.direct(pos, dtype)
+                    if p is None:
+                        p = chunk if fresh and chunk.dtype == dtype else _scratch(state, chunk.shape, dtype, src.device)
+                    p = torch.sub(chunk, lse_t[pos], out=p)
+                    del chunk
+                    if temp != 1.0:
+                        p.div_(temp)
                 else:
-                    p.masked_fill_(p < threshold[pos].unsqueeze(1), _NINF)
-                p.sub_(lse[pos].unsqueeze(1))
-            g = p.exp_().mul_(s[pos].neg())
-            g.scatter_add_(1, col[pos], hit[pos])
-            writer.put(pos, idx, _zero_invalid(g, ignored, pos))
+                    p = src.scores(idx, dtype, temp)
+                    if redo:
+                        p.masked_fill_(process_scores(p if support is None else support.scores(idx, dtype, temp), sampling) == _NINF, _NINF)
+                    else:
+                        p.masked_fill_(p < threshold[pos].unsqueeze(1), _NINF)
+                    p.sub_(lse[pos].unsqueeze(1))
+                here, c = _in_tile(col[pos], cols)
+                g = p.exp_().mul_(s[pos].neg()).scatter_add_(1, c, torch.where(here.unsqueeze(1), hit[pos], 0))
+                writer.put(pos, idx, _zero_invalid(g, ignored, pos), cols)
+                del p, g
 
         if writer is not None:
             _run(work, (src,), ctx.rows, state=True)
@@ -488,11 +532,11 @@ def full_kl_kernel(
 
 
 def _log_pair(
-    src: Source, ref: Source, idx: slice | Tensor, dtype: torch.dtype, sampling: Sampling, reference: str, lse: Optional[Tensor]
+    src: Source, ref: Source, idx: slice | Tensor, dtype: torch.dtype, sampling: Sampling, reference: str, lse: Optional[Tensor], cols: slice,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """A chunk's ``log p~``, ``log q`` (``-inf`` off each support) and the log-sum-exps used: the chunk's
-    own when ``lse`` (``[2, c]``) is None (the whole vocabulary), else the global ones given (a split)."""
-    z, zr = src.scores(idx, dtype, sampling.temperature), ref.scores(idx, dtype, sampling.temperature)
+    """A chunk's (or tile's) ``log p~``, ``log q`` (``-inf`` off each support) and the log-sum-exps used:
+    the chunk's own when ``lse`` (``[2, c]``) is None, else the global ones given (tiles, a split)."""
+    z, zr = src.scores(idx, dtype, sampling.temperature, cols), ref.scores(idx, dtype, sampling.temperature, cols)
     if sampling.truncates:
         z = process_scores(z, sampling)
         if reference == "processed":
@@ -522,17 +566,26 @@ class _FullKL(torch.autograd.Function):
     ) -> Tensor:
         src, ref = Source(Tensors(x, weight, bias)), Source(Tensors(rx, rweight, rbias))
         dtype = compute_dtype(x, rx)
-        rows = src.chunk_rows(chunk_size)
+        tiled = not sampling.truncates and weight is not None and rweight is not None  # two heads: tiles of both
+        rows = src.chunk_rows(chunk_size, tiled)
         # per row: the policy's and the reference's local log-sum-exps, the local KL
         stats = torch.zeros((3, src.n), dtype=dtype, device=src.device)
         stats[:2].fill_(_NINF)
 
         def work(item: tuple[slice, slice | Tensor], state: Any) -> None:
             pos, idx = item
-            logp, logq, stats[0, pos], stats[1, pos] = _log_pair(src, ref, idx, dtype, sampling, reference, None)
-            p = logp.exp()
-            # 0 log 0 = 0 off the policy's support; p > 0 = q gives +inf
-            stats[2, pos] = torch.sub(logp, logq, out=logq).mul_(p).masked_fill_(p == 0, 0).sum(-1)
+            tiles = src.tiles(pos.stop - pos.start, tiled)
+            parts = torch.empty((len(tiles), 3, pos.stop - pos.start), dtype=dtype, device=src.device)
+            for k, cols in enumerate(tiles):
+                logp, logq, parts[k, 0], parts[k, 1] = _log_pair(src, ref, idx, dtype, sampling, reference, None, cols)
+                p = logp.exp()
+                # 0 log 0 = 0 off the policy's support; p > 0 = q gives +inf
+                parts[k, 2] = torch.sub(logp, logq, out=logq).mul_(p).masked_fill_(p == 0, 0).sum(-1)
+                del logp, logq, p
+            many = len(tiles) > 1  # the tiles combine as the ranks do (see Partition)
+            stats[:2, pos] = lse = _merge_lse(parts[:, :2]) if many else parts[0, :2]
+            kl = parts[:, 2] + (parts[:, 0] - lse[0]) - (parts[:, 1] - lse[1]) if many else parts[0, 2]
+            stats[2, pos] = _merge_parts(parts[:, 0], lse[0], kl) if many else kl
 
         _run(work, (src, ref), rows)
         local = stats[:2] if invalid is None else stats[:2].masked_fill(invalid, 0)  # NaN padding stays out
@@ -542,7 +595,7 @@ class _FullKL(torch.autograd.Function):
             kl = kl.masked_fill(invalid, 0)
         ctx.save_for_backward(x, weight, bias, rx, rweight, rbias)
         ctx.saved = (invalid, lse, kl)
-        ctx.sampling, ctx.reference, ctx.part, ctx.rows = sampling, reference, part, rows
+        ctx.sampling, ctx.reference, ctx.part, ctx.rows, ctx.tiled = sampling, reference, part, rows, tiled
         return kl.view(src.lead)
 
     @staticmethod
@@ -574,14 +627,17 @@ class _FullKL(torch.autograd.Function):
 
         def work(item: tuple[slice, slice | Tensor], state: Any) -> None:
             pos, idx = item
-            logp, logq, _, _ = _log_pair(src, ref, idx, dtype, sampling, reference, lse[:, pos] if ctx.part.split else None)
-            p = logp.exp()
-            if w_ref is not None:
-                w_ref.put(pos, idx, _zero_invalid(logq.exp().sub_(p).mul_(scale[pos]), invalid, pos))  # (q - p) / T
-            if w_z is not None:
-                g = logp.sub_(logq).sub_(finite_kl[pos]).mul_(p).masked_fill_(p == 0, 0)
-                g = g.masked_fill_(infinite_rows[pos], 0).mul_(scale[pos])
-                w_z.put(pos, idx, _zero_invalid(g, invalid, pos))
+            given = lse[:, pos] if ctx.part.split or ctx.tiled else None
+            for cols in src.tiles(pos.stop - pos.start, ctx.tiled):
+                logp, logq, _, _ = _log_pair(src, ref, idx, dtype, sampling, reference, given, cols)
+                p = logp.exp()
+                if w_ref is not None:
+                    w_ref.put(pos, idx, _zero_invalid(logq.exp().sub_(p).mul_(scale[pos]), invalid, pos), cols)  # (q - p) / T
+                if w_z is not None:
+                    g = logp.sub_(logq).sub_(finite_kl[pos]).mul_(p).masked_fill_(p == 0, 0)
+                    g = g.masked_fill_(infinite_rows[pos], 0).mul_(scale[pos])
+                    w_z.put(pos, idx, _zero_invalid(g, invalid, pos), cols)
+                del logp, logq, p
 
         if w_z is not None or w_ref is not None:
             _run(work, (src, ref), ctx.rows)
@@ -600,9 +656,11 @@ def entropy_kernel(
     return _Entropy.apply(*src, invalid, sampling, part, chunk_size)
 
 
-def _log_probs(src: Source, idx: slice | Tensor, dtype: torch.dtype, sampling: Sampling, lse: Optional[Tensor]) -> tuple[Tensor, Tensor]:
-    """A chunk's processed ``log p~`` and the log-sum-exp used (the chunk's own when ``lse`` is None)."""
-    z = src.scores(idx, dtype, sampling.temperature)
+def _log_probs(
+    src: Source, idx: slice | Tensor, dtype: torch.dtype, sampling: Sampling, lse: Optional[Tensor], cols: slice
+) -> tuple[Tensor, Tensor]:
+    """A chunk's (or tile's) processed ``log p~`` and the log-sum-exp used (the chunk's own when ``lse`` is None)."""
+    z = src.scores(idx, dtype, sampling.temperature, cols)
     if sampling.truncates:
         z = process_scores(z, sampling)
     if lse is None:  # as in _log_pair
@@ -623,14 +681,22 @@ class _Entropy(torch.autograd.Function):
         chunk_size: Optional[int],
     ) -> Tensor:
         src = Source(Tensors(x, weight, bias))
-        dtype, rows = compute_dtype(x), src.chunk_rows(chunk_size)
+        tiled = not sampling.truncates and weight is not None
+        dtype, rows = compute_dtype(x), src.chunk_rows(chunk_size, tiled)
         stats = torch.zeros((2, src.n), dtype=dtype, device=src.device)  # local lse, local entropy
         stats[0].fill_(_NINF)
 
         def work(item: tuple[slice, slice | Tensor], state: Any) -> None:
             pos, idx = item
-            logp, stats[0, pos] = _log_probs(src, idx, dtype, sampling, None)
-            stats[1, pos] = logp.exp().mul_(logp).masked_fill_(logp == _NINF, 0).sum(-1).neg_()
+            tiles = src.tiles(pos.stop - pos.start, tiled)
+            parts = torch.empty((len(tiles), 2, pos.stop - pos.start), dtype=dtype, device=src.device)
+            for k, cols in enumerate(tiles):
+                logp, parts[k, 0] = _log_probs(src, idx, dtype, sampling, None, cols)
+                parts[k, 1] = logp.exp().mul_(logp).masked_fill_(logp == _NINF, 0).sum(-1).neg_()
+                del logp
+            many = len(tiles) > 1  # the tiles combine as the ranks do (see Partition)
+            stats[0, pos] = lse = _merge_lse(parts[:, 0]) if many else parts[0, 0]
+            stats[1, pos] = _merge_parts(parts[:, 0], lse, parts[:, 1] + lse - parts[:, 0]) if many else parts[0, 1]
 
         _run(work, (src,), rows)
         local = stats[0] if invalid is None else stats[0].masked_fill(invalid, 0)
@@ -640,7 +706,7 @@ class _Entropy(torch.autograd.Function):
             ent = ent.masked_fill(invalid, 0)
         ctx.save_for_backward(x, weight, bias)
         ctx.saved = (invalid, lse, ent)
-        ctx.sampling, ctx.part, ctx.rows = sampling, part, rows
+        ctx.sampling, ctx.part, ctx.rows, ctx.tiled = sampling, part, rows, tiled
         return ent.view(src.lead)
 
     @staticmethod
@@ -658,10 +724,12 @@ class _Entropy(torch.autograd.Function):
         def work(item: tuple[slice, slice | Tensor], state: Any) -> None:
             pos, idx = item
             assert writer is not None
-            logp, _ = _log_probs(src, idx, dtype, ctx.sampling, lse[pos] if ctx.part.split else None)
-            p = logp.exp()
-            g = logp.add_(ent[pos]).mul_(p).masked_fill_(p == 0, 0).mul_(scale[pos])  # -p (log p + H) / T
-            writer.put(pos, idx, _zero_invalid(g, invalid, pos))
+            for cols in src.tiles(pos.stop - pos.start, ctx.tiled):
+                logp, _ = _log_probs(src, idx, dtype, ctx.sampling, lse[pos] if ctx.part.split or ctx.tiled else None, cols)
+                p = logp.exp()
+                g = logp.add_(ent[pos]).mul_(p).masked_fill_(p == 0, 0).mul_(scale[pos])  # -p (log p + H) / T
+                writer.put(pos, idx, _zero_invalid(g, invalid, pos), cols)
+                del logp, p, g
 
         if writer is not None:
             _run(work, (src,), ctx.rows)

@@ -69,15 +69,8 @@ def full_kl_compute(logits: Any, ref_logits: Any, mask: Optional[Tensor], sampli
 
 
 def full_kl_from_hidden_compute(
-    hidden: Tensor,
-    weight: Any,
-    bias: Optional[Tensor],
-    ref_hidden: Tensor,
-    ref_weight: Any,
-    ref_bias: Optional[Tensor],
-    mask: Optional[Tensor],
-    sampling: Sampling = Sampling(),
-    chunk_size: Optional[int] = None,
+    hidden: Tensor, weight: Any, bias: Optional[Tensor], ref_hidden: Tensor, ref_weight: Any, ref_bias: Optional[Tensor],
+    mask: Optional[Tensor], sampling: Sampling = Sampling(), chunk_size: Optional[int] = None,
 ) -> Tensor:
     """:func:`full_kl_compute` of the logits made from checked hidden states and heads."""
     (src, part), (ref, ref_part) = head_source(hidden, weight, bias), head_source(ref_hidden, ref_weight, ref_bias, "ref_weight")
