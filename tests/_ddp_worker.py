@@ -13,8 +13,6 @@ NaN and inf, so that a wrong reduction or a leak of the padding shows up.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 from typing import Any
 
@@ -25,6 +23,7 @@ from torch import Tensor, nn
 import lightning_kl as lk
 from lightning_kl.functional import AGG_MODES
 from _trainers import make_quiet_trainer
+from _ddp import write_rank_record
 
 WORLD = 2
 GLOBAL_B = 6  # sequences per global batch
@@ -247,12 +246,7 @@ def main(out_dir: str) -> None:
     record = fit(out_dir, devices=WORLD, strategy="ddp")
     # a second fit in the same launch (the process group is reused): one subprocess start in all
     record["accumulation"] = fit_accumulation(out_dir, devices=WORLD, strategy="ddp")
-    with open(os.path.join(out_dir, f"rank{record['rank']}.json"), "w") as f:
-        json.dump(record, f)
-    # tear the gloo process group down before the interpreter exits: left to interpreter shutdown,
-    # its C++ threads sometimes abort the process ("terminate called without an active exception")
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    write_rank_record(out_dir, record)
 
 
 if __name__ == "__main__":

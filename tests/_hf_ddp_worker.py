@@ -11,8 +11,6 @@ coefficient. ``tests/test_hf.py`` runs it in a subprocess with a timeout and com
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
 import sys
 import warnings
 from pathlib import Path
@@ -24,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _trainers import make_quiet_trainer  # noqa: E402
 
 import lightning_kl as lk  # noqa: E402
+from _ddp import write_rank_record
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "hf_grpo.py"
 WORLD = 2
@@ -81,10 +80,7 @@ def main(out_dir: str, cache_dir: str) -> None:
         ref_acc=model.ref_acc,
         coef=callback.controller.value,
     )
-    with open(os.path.join(out_dir, f"rank{record['rank']}.json"), "w") as f:
-        json.dump(record, f)
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    write_rank_record(out_dir, record)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from _ddp import finish_worker
 
 WORLD = 4
 T = 6
@@ -232,7 +233,7 @@ def _main(rank: int, out: str) -> None:
         record["failure"] = traceback.format_exc()
     record.update(values=values, raised=raised)
     Path(out, f"rank{rank}.json").write_text(json.dumps(record, indent=1))
-    dist.destroy_process_group()
+    finish_worker()
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from _ddp import finish_worker
 
 WORLD = 2
 B, T = 3, 7  # rows: 21 tokens; chunk_size=4 splits them into several chunks
@@ -369,7 +370,7 @@ def _main(rank: int, out: str) -> None:
         record["failure"] = traceback.format_exc()
     record.update(errors=errors, raised=raised)
     Path(out, f"rank{rank}.json").write_text(json.dumps(record, indent=1))
-    dist.destroy_process_group()
+    finish_worker()
 
 
 if __name__ == "__main__":
