@@ -18,10 +18,31 @@ from lightning_kl.functional import check_pair, kl_penalty_compute
 from lightning_kl.ground.checks import check_mask, compute_dtype
 from lightning_kl.ground.parallel import check_parallel_args, data_parallel_group
 
-__all__ = ["KLRewardCallback"]
+__all__ = ["ControllerFaultCallback", "KLRewardCallback"]
 
 
-class KLRewardCallback(Callback):
+class ControllerFaultCallback(Callback):
+    """A callback whose KL controllers record faults on the device (a non-finite global KL) without a host
+    read per step: :meth:`_raise_pending` reads them, and so raises them, every ``log_every_n_steps``
+    batches (as often as Lightning's loggers read the logged values) and at the end of each epoch. The base
+    of :class:`KLRewardCallback` and :class:`~lightning_kl.KLLossCallback`."""
+
+    @override
+    def on_train_batch_end(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if (batch_idx + 1) % max(1, trainer.log_every_n_steps) == 0:
+            self._raise_pending()  # as often as Lightning's loggers read the logged values
+
+    @override
+    def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._raise_pending()
+
+    def _raise_pending(self) -> None:
+        raise NotImplementedError
+
+
+class KLRewardCallback(ControllerFaultCallback):
     r"""Shape the rewards of a rollout batch with a KL penalty and steer the coefficient.
 
     In ``on_train_batch_start`` (after the batch is on the device, before ``training_step``), for a
@@ -252,17 +273,6 @@ class KLRewardCallback(Callback):
         pl_module.log(f"{self.log_prefix}coef", coef, on_step=True, on_epoch=False, batch_size=batch_size)
         pl_module.log(f"{self.log_prefix}value", current_kl, on_step=True, on_epoch=False, batch_size=batch_size)
         pl_module.log(f"{self.log_prefix}empty_seqs", stats[2] - stats[1], on_step=True, on_epoch=False, batch_size=batch_size)
-
-    @override
-    def on_train_batch_end(
-        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        if (batch_idx + 1) % max(1, trainer.log_every_n_steps) == 0:
-            self._raise_pending()  # as often as Lightning's loggers read the logged values
-
-    @override
-    def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self._raise_pending()
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -30,10 +30,9 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_kl.callback import KLRewardCallback
+from lightning_kl.callback import ControllerFaultCallback, KLRewardCallback
 from lightning_kl.controllers import KLController
 from lightning_kl.loss import KLPenaltyLoss
 
@@ -48,7 +47,7 @@ def attach_losses(trainer: Optional["pl.Trainer"], pl_module: "pl.LightningModul
     return losses
 
 
-class KLLossCallback(Callback):
+class KLLossCallback(ControllerFaultCallback):
     """Connects every :class:`~lightning_kl.KLPenaltyLoss` of the fitted LightningModule to the Trainer.
 
     Added to every Trainer by itself once lightning-kl is installed (an entry point); add it by hand only
@@ -105,17 +104,6 @@ class KLLossCallback(Callback):
             tail = f"/{name}" if suffix else ""
             pl_module.log(f"kl/coef{tail}", used[0], on_step=True, on_epoch=False, batch_size=1)
             pl_module.log(f"kl/value{tail}", used[1], on_step=True, on_epoch=False, batch_size=1)
-
-    @override
-    def on_train_batch_end(
-        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        if (batch_idx + 1) % max(1, trainer.log_every_n_steps) == 0:
-            self._raise_pending()  # as often as Lightning's loggers read the logged values
-
-    @override
-    def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self._raise_pending()
 
     def _raise_pending(self) -> None:
         # reading a coefficient raises the fault its controller recorded on the device (a non-finite
