@@ -1,4 +1,5 @@
-r"""Functions over the whole vocabulary: token log-probs, the exact KL, the token entropy.
+r"""Functions over the whole vocabulary: token log-probs, the exact KL, the token entropy (and the
+log-probs with the entropy, in one pass).
 
 Shapes: ``...`` any leading dims (``[b, t]`` for a batch of sequences), ``V`` the vocabulary, ``d``
 the hidden size. Each function takes its model's output as ``x``, in any of four forms:
@@ -36,10 +37,28 @@ from lightning_kl.ground.checks import (
 from lightning_kl.vocab_inputs import check_chunk_size, check_full_hidden_inputs, check_full_inputs, check_head, check_tokens
 from lightning_kl.ground.sampler import Sampling
 from lightning_kl.ground.vocab_shards import VocabShard, is_vocab_parallel
-from lightning_kl.kernels.engine import REFERENCES, Partition, Tensors, entropy_kernel, full_kl_kernel, token_logprobs_kernel
+from lightning_kl.kernels.engine import (
+    REFERENCES,
+    Partition,
+    Tensors,
+    entropy_kernel,
+    full_kl_kernel,
+    token_logprobs_entropy_kernel,
+    token_logprobs_kernel,
+)
 from lightning_kl.kernels.full import head_source, logits_source, same_partition
 
-__all__ = ["OUTSIDE_MODES", "REFERENCES", "FromHidden", "full_kl", "full_kl_from_hidden", "token_entropy", "token_logprobs", "token_logprobs_from_hidden"]
+__all__ = [
+    "OUTSIDE_MODES",
+    "REFERENCES",
+    "FromHidden",
+    "full_kl",
+    "full_kl_from_hidden",
+    "token_entropy",
+    "token_logprobs",
+    "token_logprobs_and_entropy",
+    "token_logprobs_from_hidden",
+]
 
 #: What to do with a token outside the sampler's kept set: ``"raise"`` (the sampler and the scorer
 #: disagree) or ``"-inf"`` (its processed log-prob, e.g. a reference's own processed distribution).
@@ -272,6 +291,64 @@ def token_entropy(
     check_chunk_size(chunk_size)
     mask = check_mask(mask, lead, "hidden" if src.weight is not None else "logits", without="the last dimension")
     return entropy_kernel(src, None if mask is None else ~mask.reshape(-1), proc, part, chunk_size)
+
+
+def token_logprobs_and_entropy(
+    x: Tensor | VocabShard | FromHidden,
+    tokens: Tensor,
+    *,
+    sampling: Optional[Sampling] = None,
+    ignore_index: Optional[int] = None,
+    outside: str = "raise",
+    chunk_size: Optional[int] = None,
+) -> tuple[Tensor, Tensor]:
+    r""":func:`token_logprobs` and :func:`token_entropy` from one read of the vocabulary.
+
+    .. math::
+        \log \tilde p_y = e_y - c, \qquad H = -\sum_{i \in K} \tilde p_i \log \tilde p_i = c - \sum_{i \in K} \tilde p_i e_i,
+        \qquad e_i = \frac{z_i - \max_j z_j}{T}, \quad c = \log \sum_{j \in K} e^{e_j}
+
+    Each chunk of logits is read (or made from hidden states) once in forward and once in backward,
+    for both quantities: one backward pass writes the sum of both gradients,
+    :math:`(g_{\log p}([i = y] - \tilde p_i) - g_H \tilde p_i (\log \tilde p_i + H)) / T`, through one
+    gradient writer (from a head: one float32 ``[V, d]`` accumulator, not two). The values equal
+    those of the two calls; the entropy is the one of the distribution the log-probs are taken under
+    (the sampler's processed distribution with a truncating ``sampling``).
+
+    Args:
+        x: ``[..., V]`` logits, a vocabulary shard (DTensor ``Shard(-1)`` or :class:`~lightning_kl.VocabShard`),
+            or :class:`FromHidden`.
+        tokens: ``[...]`` integer ids in ``[0, V)`` (global ids for a shard).
+        sampling: the sampler (None: ``softmax(z)``); truncation is refused on a split vocabulary.
+        ignore_index: an id whose positions get 0 in both outputs and exactly zero gradient (``-100``).
+        outside: a token outside the kept set: ``"raise"`` (default) or ``"-inf"`` (its log-prob; the
+            entropy is still the row's).
+        chunk_size: rows per chunk (as :func:`token_logprobs`).
+
+    Returns:
+        ``(logprobs, entropy)``, each ``[...]``, float32 (float64 for float64 inputs).
+
+    Raises:
+        TypeError, ValueError: as :func:`token_logprobs`.
+
+    Example:
+        >>> logits = torch.tensor([[0.0, 0.0], [2.0, 1.0]], requires_grad=True)
+        >>> lp, ent = token_logprobs_and_entropy(logits, torch.tensor([1, -100]), ignore_index=-100)
+        >>> lp, ent  # log(1/2) and log 2; the ignored token gives 0 and 0
+        (tensor([-0.6931,  0.0000], grad_fn=<_RowsBackward>), tensor([0.6931, 0.0000], grad_fn=<_RowsBackward>))
+        >>> (lp + ent).sum().backward(); logits.grad[0]  # one-hot minus softmax; H is flat at the uniform
+        tensor([-0.5000,  0.5000])
+    """
+    proc = _sampling(sampling, {}, "token_logprobs_and_entropy")
+    src, part, lead = _source(x, "x" if isinstance(x, FromHidden) else "logits", proc)
+    outside = _check_outside(outside)
+    check_chunk_size(chunk_size)
+    vocab = None if part.split else (src.x.shape[-1] if src.weight is None else src.weight.shape[0])
+    ids, ignored = check_tokens(tokens, lead.shape[:-1], vocab, lead.device, "hidden" if src.weight is not None else "logits", ignore_index)
+    lp, ent, out = token_logprobs_entropy_kernel(src, ids, ignored, proc, part, chunk_size)
+    if proc.truncates and outside == "raise":
+        _report_outside(out, tokens, proc)
+    return lp, ent
 
 
 def full_kl(
