@@ -31,13 +31,19 @@ from lightning_kl.kernels.processing import process_scores
 NINF = float("-inf")
 
 
+def _linear(h: Tensor, w: Tensor, b: Optional[Tensor], rows: int = 8) -> Tensor:
+    # by blocks of 8 rows, as the engine's chunks make them (a half-precision matmul rounds by its shape,
+    # and a truncating sampler's kept set follows those roundings)
+    return torch.cat([F.linear(h[i : i + rows], w, b) for i in range(0, h.shape[0], rows)])
+
+
 def logits_of(x: Any, dtype: torch.dtype) -> Tensor:
     """Logits ``[n, V]`` from logits or an ``lk.FromHidden``, as a model makes them in ``dtype``; float64
     leaves give those values with float64 gradients."""
     if isinstance(x, lk.FromHidden):
         if x.hidden.dtype != torch.float64:
-            return F.linear(*x)
-        made = F.linear(*(None if t is None else t.detach().to(dtype) for t in x))
+            return _linear(*x)
+        made = _linear(*(None if t is None else t.detach().to(dtype) for t in x))
         exact = F.linear(*x)
         return exact + (made.double() - exact).detach()
     return x

@@ -588,14 +588,16 @@ class _Rows(torch.autograd.Function):
         # the gradient w.r.t. the logits, u_i (alpha + beta e_i) + [i = y] hit: with inv = 1 / (S T),
         # alpha = -(g_lp + g_H A) inv, beta = -g_H inv, hit = g_lp / T (0 on ignored tokens and on tokens
         # outside the kept set: their value is -inf whatever the logits, a constant)
-        inv = torch.exp(-c).div_(temp)
+        # 1 / T multiplies both terms alike, so that a row whose kept set is its target alone (S = 1, c = 0)
+        # gets exactly 0
+        inv = torch.exp(-c).mul_(1.0 / temp)
         alpha, beta, hit = torch.zeros_like(c), None, None
         if lp_grad:
             assert g_lp is not None
             gl = g_lp.reshape(-1).to(dtype).masked_fill(outside, 0)
             if ignored is not None:
                 gl = gl.masked_fill(ignored, 0)
-            hit = torch.where(owned, gl / temp, 0).unsqueeze(1)
+            hit = torch.where(owned, gl * (1.0 / temp), 0).unsqueeze(1)
             alpha = -gl * inv
         if ent_grad:
             assert g_ent is not None
