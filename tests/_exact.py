@@ -89,7 +89,7 @@ def leaf(t: Optional[Tensor], dtype: Optional[torch.dtype] = None) -> Optional[T
 
 def max_error(got: Tensor, want: Tensor) -> float:
     """The largest absolute difference where the reference is finite (and the same infinities elsewhere)."""
-    got, want = got.double(), want.double()
+    got, want = got.detach().double(), want.detach().double()
     fin = torch.isfinite(want)
     assert torch.equal(torch.isfinite(got), fin) or not fin.all(), "infinite where the reference is finite"
     return float((got[fin] - want[fin]).abs().max()) if fin.any() else 0.0

@@ -15,27 +15,41 @@ logits, :math:`T` the temperature. Four parts:
 * an optional **sampler** (:class:`~lightning_kl.Sampling`): the scores :math:`z / T`, then top-k,
   top-p and min-p as ``generate`` applies them (:func:`~lightning_kl.kernels.processing.process_scores`),
   removed entries ``-inf``: the processed distribution :math:`\tilde p` on its kept set :math:`K`;
-* a **quantity**, one :class:`torch.autograd.Function` each: the token log-prob, the exact KL to a
-  second source, the token entropy.
+* a **quantity**: the row quantities, token log-prob and entropy (either or both from one read,
+  :class:`_Rows`), or the exact KL to a second source (:class:`_FullKL`).
 
-With :math:`\log \tilde p_i = s_i - \operatorname{lse}(s)` over the processed scores :math:`s` and the
-gradient coming in :math:`g` per row, the backward of each quantity w.r.t. the logits is, on the
-kept set (0 elsewhere; the kept set is a selection and does not move under a small change):
+**Exact at every temperature.** Nothing large is subtracted after the division by :math:`T`. Per row
+(or per part of a row: a tile, a rank's shard), with :math:`m` the largest kept logit (exact in the
+input dtype), the shifted scores and the log-sum
 
 .. math::
-    \frac{\partial \log \tilde p_y}{\partial z_i} = \frac{[i = y] - \tilde p_i}{T}, \qquad
-    \frac{\partial\,\mathrm{KL}}{\partial z_i} = \frac{\tilde p_i (\log \tilde p_i - \log q_i - \mathrm{KL})}{T}, \qquad
-    \frac{\partial\,\mathrm{KL}}{\partial z^{\mathrm{ref}}_i} = \frac{q_i - \tilde p_i}{T}, \qquad
-    \frac{\partial H}{\partial z_i} = -\frac{\tilde p_i (\log \tilde p_i + H)}{T}.
+    e_i = \frac{z_i - m}{T} \le 0, \qquad c = \log \sum_{i \in K} e^{e_i} \ge 0, \qquad
+    \log \tilde p_i = e_i - c, \qquad H = c + A, \quad A = -\sum_{i \in K} \tilde p_i e_i \ge 0
 
-Over a partition, with the local log-sum-exp :math:`l_k` of rank :math:`k`, the global one :math:`l`
-and :math:`w_k = e^{l_k - l}`, the per-rank sums combine exactly:
-:math:`H = \sum_k w_k (h_k + l - l_k)` and
-:math:`\mathrm{KL} = \sum_k w_k (\mathrm{kl}_k + (l^p_k - l^p) - (l^q_k - l^q))`, where :math:`h_k`
-and :math:`\mathrm{kl}_k` are the entropy and the KL of the rank's own renormalized columns; the
-backward needs no collective (the global statistics are saved) except the sum of the hidden states'
-gradient over the group. The sampler's truncation needs whole rows: the entry points refuse it on a
-split vocabulary.
+(the entropy is a sum of two non-negative terms: it does not cancel, and a near tie at
+:math:`T = 10^{-3}` keeps its digits). The log-sum-exp :math:`m / T + c` is never formed. With the
+gradient :math:`g` coming in per row and :math:`u_i = e^{e_i}`, :math:`S = e^c`, the backward w.r.t.
+the logits is, on the kept set (0 elsewhere; the kept set is a selection and does not move under a
+small change):
+
+.. math::
+    \frac{\partial \log \tilde p_y}{\partial z_i} = \frac{[i = y] - u_i / S}{T}, \qquad
+    \frac{\partial H}{\partial z_i} = -\frac{u_i (e_i + A)}{S\,T}, \qquad
+    \frac{\partial\,\mathrm{KL}}{\partial z_i} = \frac{\tilde p_i (\log \tilde p_i - \log q_i - \mathrm{KL})}{T}, \qquad
+    \frac{\partial\,\mathrm{KL}}{\partial z^{\mathrm{ref}}_i} = \frac{q_i - \tilde p_i}{T},
+
+each from the saved :math:`(m, c)`, the same forms as the forward's. The KL is
+:math:`\sum_i \tilde p_i (e^p_i - e^q_i) + (c_q - c_p)`.
+
+Parts (tiles of a head's vocabulary, ranks of a split one) merge as pairs :math:`(m_k, c_k)`
+(:func:`_merge`): :math:`m = \max_k m_k` (a ``MAX`` over the ranks), :math:`d_k = (m_k - m)/T \le 0`,
+:math:`c = \log \sum_k e^{d_k + c_k}` (a ``SUM``), the parts' weights
+:math:`w_k = e^{d_k + c_k - c}`; then :math:`A = \sum_k w_k (A_k - d_k)` and
+:math:`\mathrm{KL} = \sum_k w^p_k (\mathrm{kl}_k + \log w^p_k - \log w^q_k)`, where :math:`A_k` and
+:math:`\mathrm{kl}_k` are those of the part's own renormalized columns: ``O(n)`` numbers from the
+calling thread, collectives only when the group has more than one rank. The backward needs no
+collective (the global :math:`(m, c)` are saved) except the sum of the hidden states' gradient over
+the group. The sampler's truncation needs whole rows: the entry points refuse it on a split vocabulary.
 
 The forward keeps ``O(n)`` numbers per row (log-sum-exps, the value); the backward reads each chunk
 again and writes that chunk of the gradient once, through one writer for logits
