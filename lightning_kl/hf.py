@@ -47,7 +47,7 @@ import torch
 from torch import Tensor
 
 from lightning_kl.ground.checks import check_temperature
-from lightning_kl.ground.sampler import Sampling
+from lightning_kl.ground.sampler import Sampling, remember_sampler, remembered_sampler
 from lightning_kl.kernels.processing import check_processing
 from lightning_kl.logprobs import token_logprobs
 
@@ -303,25 +303,26 @@ def _resolve_sampling(sampling: Optional[Sampling], separate: dict[str, Any], ca
     return Sampling(**legacy)
 
 
-# the sampler each model was last scored with (by response_logprobs, given one): a later call given none warns
-_scored_with: "weakref.WeakKeyDictionary[Any, Sampling]" = weakref.WeakKeyDictionary()
 _warned_unsampled: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
 def _remember_sampler(model: Any, sampling: Optional[Sampling]) -> None:
+    # the model remembers its sampler (here, and in Sampling.generate_kwargs(model)); a call given none warns
+    if sampling is not None:
+        remember_sampler(model, sampling)
+        return
+    remembered = remembered_sampler(model)
+    if remembered is None or remembered == Sampling():
+        return
     try:
-        if sampling is not None:
-            _scored_with[model] = sampling
-            return
-        remembered = _scored_with.get(model)
-        if remembered is None or remembered == Sampling() or model in _warned_unsampled:
+        if model in _warned_unsampled:
             return
         _warned_unsampled.add(model)
     except TypeError:  # a model object that takes no weak reference: nothing is remembered
         return
     warnings.warn(
         f"lk.hf.response_logprobs was given no sampler, so it scores the plain softmax, but this model was "
-        f"scored before with sampling={remembered} (the rollout's sampler, presumably): the PPO ratio and the "
+        f"sampled or scored before with sampling={remembered} (the rollout's sampler, presumably): the PPO ratio and the "
         f"KL estimates would compare two distributions (the ratio is not 1 on-policy) and nothing else would "
         f"say so. Give every scorer of a rollout the rollout's sampling= (sampling=lk.Sampling() to mean the "
         f"plain softmax). Warned once for this model.",

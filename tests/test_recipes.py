@@ -252,3 +252,21 @@ def test_the_stack_tests_find_the_readmes_stacks_folder(monkeypatch: pytest.Monk
     assert _mismatch_stacks.DEFAULT_STACKS != ROOT  # and the real default is the repository's .stacks
     monkeypatch.undo()
     assert _mismatch_stacks.DEFAULT_STACKS == ROOT / ".stacks"
+
+
+def test_a_model_that_sampled_with_generate_kwargs_remembers_its_sampler() -> None:
+    import test_doc_snippets as snippets_test
+
+    model = snippets_test.tiny_model()
+    seq = torch.randint(3, 15, (2, 6))
+    am = torch.ones_like(seq)
+    kwargs = lk.Sampling(temperature=0.8, top_k=3).generate_kwargs(model)  # what generate(**kwargs) draws with
+    assert kwargs["top_k"] == 3
+    with pytest.warns(lk.hf.SamplerMismatchWarning, match=r"sampling=Sampling\(temperature=0.8, top_k=3"):
+        lk.hf.response_logprobs(model, seq, am, 3)
+    other = snippets_test.tiny_model()  # another model object: nothing remembered
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lk.hf.response_logprobs(other, seq, am, 3)
+        lk.Sampling().generate_kwargs(other)  # the plain softmax, remembered: silent
+        lk.hf.response_logprobs(other, seq, am, 3)
