@@ -16,7 +16,8 @@ It also closes the optimizer step of every loss whose ``coef`` is a controller
 hook once per optimizer step, after the backward of the step's last micro-batch (under
 ``accumulate_grad_batches`` too, and in manual optimization at each ``optimizer.step()``), so the
 step's gradient used the step's coefficient and the next step gets the updated one. Only the
-Trainer's first optimizer closes steps. It logs ``kl/coef`` (the coefficient the step used) and
+Trainer's first optimizer closes steps. An :class:`~lightning_kl.EntropyBonus` whose ``coef`` is a
+controller is closed the same way (logged under ``entropy/`` in place of ``kl/``). It logs ``kl/coef`` (the coefficient the step used) and
 ``kl/value`` (the step's global KL); with several controlled losses, or a
 :class:`~lightning_kl.KLRewardCallback` logging under ``kl/`` too, the names end with the loss's name
 in the module (``kl/coef/kl_loss``). A non-finite global KL leaves the coefficient unchanged and is
