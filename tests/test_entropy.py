@@ -553,3 +553,25 @@ def test_yaml_names_the_bonus_its_controller_and_schedule_by_class_path(tmp_path
     path.write_text(yaml.safe_dump(config))
     with pytest.raises(ValueError, match="Unknown entropy rule 'skywork'"):
         LightningCLI(YamlModule, args=["fit", "--config", str(path)])
+
+
+def test_an_eval_forward_adds_nothing_to_the_step_and_the_bonus_pickles():
+    import pickle
+
+    bonus = lk.EntropyBonus(coef=lk.TargetEntropyController(1.0, init_coef=0.1))
+    logits, mask = _batch(4)
+    bonus.eval()
+    bonus(logits, mask)
+    assert bonus._step_stats is None
+    bonus.train()
+    bonus(logits, mask)
+    coef, h = bonus.update_coef()
+    assert float(coef) == 0.1
+    assert_close(h, ref_aggregate(ref_entropy(torch.where(mask[..., None], logits, 0.0)), mask, "token-mean"), rtol=1e-6, atol=0)
+    copy = pickle.loads(pickle.dumps(bonus))
+    assert copy.coef == bonus.coef != 0.1 and copy.controller is not bonus.controller
+    # a step with no forward: nothing to see, the coefficient stays
+    before = bonus.coef
+    _, h = bonus.update_coef()
+    assert math.isnan(float(h)) and bonus.coef == before
+    assert lk.EntropyBonus(coef=0.3).update_coef() is None
