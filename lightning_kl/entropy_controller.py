@@ -24,12 +24,22 @@ from typing import Any, Optional, Union
 import torch
 from torch import Tensor
 
-from lightning_kl.controllers import KLController, Number, _check_number
+from lightning_kl.controllers import KLController, Number
 
 __all__ = ["ENTROPY_RULES", "TargetEntropyController", "target_entropy_factor"]
 
 #: The rules of :class:`TargetEntropyController`.
 ENTROPY_RULES = ("dual", "additive")
+
+
+def _check_number(name: str, value: Any, *, positive: bool) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"`{name}` must be a finite number, got {value!r}.")
+    if positive and not value > 0:
+        raise ValueError(f"`{name}` must be > 0, got {value!r}.")
+    if not positive and value < 0:
+        raise ValueError(f"`{name}` must be >= 0, got {value!r}.")
+    return float(value)
 
 
 def target_entropy_factor(entropy: Number, target_entropy: float, step_size: float) -> Number:
