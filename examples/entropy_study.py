@@ -3,13 +3,14 @@ r"""Entropy control on the toy: no bonus, a fixed bonus, a target entropy, and t
     python examples/entropy_study.py --out runs/entropy_study --png docs/entropy_toy.png
 
 The toy of ``examples/toy_rlhf.py`` (GRPO, ``k3+`` in the loss) rewards the share of 7s in the
-response: the all-7 answer is the optimum, so the policy's entropy collapses as it learns. Five arms,
+response: the all-7 answer is the optimum, so the policy's entropy collapses as it learns. Six arms,
 each for every seed:
 
 * ``none``: no entropy term;
 * ``fixed``: ``lk.EntropyBonus(coef=FIXED)`` added to the loss;
 * ``target``: ``lk.EntropyBonus(coef=lk.TargetEntropyController(TARGET, init_coef=FIXED))`` (dual ascent);
-* ``target-additive``: the same with TRL's additive rule (``rule="additive"``);
+* ``target-floor``: the same with ``coef_min=0.05``;
+* ``target-additive``: the same with TRL's additive rule (``rule="additive"``, ``coef_delta=0.02``);
 * ``top20``: no bonus; the policy gradient only on the 20 % of tokens of highest entropy
   (``lk.high_entropy_mask(entropy, mask, top=0.2)``, "Beyond the 80/20 rule").
 
@@ -43,7 +44,7 @@ import lightning.pytorch as pl  # noqa: E402
 import lightning_kl as lk  # noqa: E402
 import toy_rlhf  # noqa: E402
 
-ARMS = ("none", "fixed", "target", "target-additive", "top20")
+ARMS = ("none", "fixed", "target", "target-floor", "target-additive", "top20")
 FIXED, TARGET = 0.1, 0.8  # the bonus's coefficient (and the controllers' start); the target, nats per token
 FIELDS = ("arm", "seed", "entropy_last", "reward_last", "entropy_first", "coef_final", "kept_fraction", "rollouts", "seconds")
 
@@ -102,6 +103,8 @@ def make_bonus(arm: str) -> Optional[lk.EntropyBonus]:
         return lk.EntropyBonus(coef=FIXED)
     if arm == "target":
         return lk.EntropyBonus(coef=lk.TargetEntropyController(TARGET, init_coef=FIXED, step_size=0.3))
+    if arm == "target-floor":  # the same with a floor: the coefficient cannot wind down while the entropy is high
+        return lk.EntropyBonus(coef=lk.TargetEntropyController(TARGET, init_coef=FIXED, step_size=0.3, coef_min=0.05))
     if arm == "target-additive":
         return lk.EntropyBonus(coef=lk.TargetEntropyController(TARGET, init_coef=FIXED, rule="additive", coef_delta=0.02))
     return None
@@ -135,7 +138,7 @@ def plot(series: dict[str, dict[str, list[float]]], rows: list[dict[str, Any]], 
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    colors = dict(zip(ARMS, ("black", "tab:blue", "tab:green", "tab:olive", "tab:red")))
+    colors = dict(zip(ARMS, ("black", "tab:blue", "tab:green", "tab:purple", "tab:olive", "tab:red")))
     for arm in ARMS:
         runs = [v for k, v in series.items() if k.split("/")[0] == arm]
         if not runs:
@@ -152,8 +155,9 @@ def plot(series: dict[str, dict[str, list[float]]], rows: list[dict[str, Any]], 
     axes[0].set(title="policy entropy (nats/token, token-mean)", xlabel="rollout")
     axes[1].set(title="reward (share of 7s)", xlabel="rollout")
     axes[2].set(title="entropy coefficient applied", xlabel="rollout")
+    axes[2].set_yscale("symlog", linthresh=1e-3)
     axes[0].legend(fontsize=8)
-    seeds = len({r["seed"] for r in rows})
+    seeds = len({int(r["seed"]) for r in rows})
     fig.suptitle(f"toy GRPO (k3+ 0.05 in the loss), {seeds} seeds: mean and range")
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
