@@ -575,3 +575,33 @@ def test_an_eval_forward_adds_nothing_to_the_step_and_the_bonus_pickles():
     _, h = bonus.update_coef()
     assert math.isnan(float(h)) and bonus.coef == before
     assert lk.EntropyBonus(coef=0.3).update_coef() is None
+
+
+def test_the_mask_the_bonus_and_the_controller_read_nothing_on_the_host(monkeypatch):
+    # as on a GPU: every read of a value into Python and every op sized by values is refused
+    from test_no_host_sync import device_form
+
+    logits, mask = _batch(5)
+    h = lk.token_entropy(logits, mask)
+    host_mask = lk.high_entropy_mask(h, mask, top=0.3)
+    host = lk.EntropyBonus(coef=lk.TargetEntropyController(1.0, init_coef=0.1))
+    additive = lk.EntropyBonus(coef=lk.TargetEntropyController(1.0, init_coef=0.1, rule="additive"))
+    x = logits.clone().requires_grad_(True)
+    host_loss = host(x, mask)
+    host_loss.backward()
+    host_grad = x.grad
+    with device_form(monkeypatch):
+        dev_mask = lk.high_entropy_mask(h, mask, top=0.3)
+        dev = lk.EntropyBonus(coef=lk.TargetEntropyController(1.0, init_coef=0.1))
+        x = logits.clone().requires_grad_(True)
+        loss = dev(x, mask)
+        loss.backward()
+        dev.update_coef()
+        additive(logits, mask)
+        additive.update_coef()
+        dev(logits, mask)  # the next step's coefficient, from the device
+    assert torch.equal(dev_mask, host_mask)
+    assert torch.equal(loss, host_loss) and torch.equal(x.grad, host_grad)
+    host.update_coef()
+    assert dev.coef == host.coef != 0.1
+    assert additive.coef == 0.0 and additive.controller.coef == pytest.approx(0.095)  # above the target: down, gate closed
