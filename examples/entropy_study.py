@@ -110,10 +110,11 @@ def make_bonus(arm: str) -> Optional[lk.EntropyBonus]:
     return None
 
 
-def run(arm: str, seed: int, rollouts: int, out: Path) -> tuple[dict[str, Any], dict[str, list[float]]]:
+def run(arm: str, seed: int, rollouts: int, out: Path, pretrain_steps: int = 400) -> tuple[dict[str, Any], dict[str, list[float]]]:
     pl.seed_everything(seed, verbose=False)
     model = EntropyToy(entropy_bonus=make_bonus(arm), top_entropy=0.2 if arm == "top20" else 1.0,
-                       kl_estimator="k3+", kl_coef=0.05, cache_dir=str(out.parent / "toy_rlhf" / "reference"))
+                       kl_estimator="k3+", kl_coef=0.05, pretrain_steps=pretrain_steps,
+                       cache_dir=str(out.parent / "toy_rlhf" / "reference"))
     data = toy_rlhf.RolloutDataModule(prompts_per_rollout=8, group_size=8, rollouts=rollouts)
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_progress_bar=False,
                          enable_checkpointing=False, enable_model_summary=False, default_root_dir=str(out))
@@ -171,6 +172,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
     p.add_argument("--rollouts", type=int, default=50)
     p.add_argument("--png", default=None)
+    p.add_argument("--pretrain-steps", type=int, default=400, help="the toy reference's pretraining (cached)")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -181,7 +183,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         for seed in args.seeds:
             if f"{arm}/{seed}" in series:
                 continue
-            row, s = run(arm, seed, args.rollouts, out)
+            row, s = run(arm, seed, args.rollouts, out, args.pretrain_steps)
             print(f"[entropy_study] {arm:>15} seed {seed}: entropy {row['entropy_first']:.3f} -> {row['entropy_last']:.3f}, "
                   f"reward {row['reward_last']:.3f}, coef {row['coef_final']:.4f}, {row['seconds']} s", flush=True)
             rows.append(row)

@@ -605,3 +605,26 @@ def test_the_mask_the_bonus_and_the_controller_read_nothing_on_the_host(monkeypa
     host.update_coef()
     assert dev.coef == host.coef != 0.1
     assert additive.coef == 0.0 and additive.controller.coef == pytest.approx(0.095)  # above the target: down, gate closed
+
+
+@pytest.mark.filterwarnings("ignore:Attribute 'entropy_bonus' is an instance of `nn.Module`")
+@pytest.mark.filterwarnings("ignore:Your `IterableDataset` has `__len__` defined")
+def test_the_entropy_study_runs_a_controller_and_the_mask_reports_and_resumes(tmp_path, capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("entropy_study", TESTS.parent / "examples" / "entropy_study.py")
+    study = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(TESTS.parent / "examples"))
+    try:
+        spec.loader.exec_module(study)
+        args = ["--out", str(tmp_path / "study"), "--seeds", "0", "--rollouts", "3", "--pretrain-steps", "2",
+                "--png", str(tmp_path / "study.png"), "--arms", "target-additive", "top20"]
+        study.main(args)
+        rows = (tmp_path / "study" / "entropy_study.csv").read_text().splitlines()
+        assert len(rows) == 1 + 2 and (tmp_path / "study.png").exists()
+        first = capsys.readouterr().out
+        assert "| top20 | 1 |" in first and "| 0.20 |" in first.split("| top20 |")[1]  # a fifth of the tokens: the mask
+        study.main(args)  # every run is in the CSV: nothing runs again
+        assert "[entropy_study]" not in capsys.readouterr().out
+    finally:
+        sys.path.remove(str(TESTS.parent / "examples"))
