@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_kl.ground.checks import check_floating, check_mask
-from lightning_kl.ground.parallel import DataParallelGroup, check_parallel_args, data_parallel_group
+from lightning_kl.ground.parallel import DataParallelGroup, agree, check_parallel_args, data_parallel_group
 
 __all__ = ["check_top", "high_entropy_mask", "masked_quantile"]
 
@@ -98,8 +98,8 @@ def high_entropy_mask(
     (:func:`lightning_kl.ground.parallel.data_parallel_group`: under Lightning's DDP the world, under
     ``ModelParallelStrategy`` the ``"data_parallel"`` mesh dimension). Every process of the group
     must call it (two collectives: the sizes, then the padded entropies). The host reads the
-    processes' sizes (``entropy.numel()``, the lengths to pad to), which on a GPU waits for the work
-    queued so far; a single process reads nothing.
+    processes' sizes (``entropy.numel()``, the lengths to pad to, with a flag per process for refused
+    inputs), which on a GPU waits for the work queued so far; a single process reads nothing.
 
     Args:
         entropy: ``[...]`` per-token entropies (e.g. :func:`~lightning_kl.token_entropy`'s), any shape;
@@ -113,7 +113,9 @@ def high_entropy_mask(
         A bool tensor of ``entropy``'s shape.
 
     Raises:
-        ValueError: for ``top`` outside ``(0, 1]`` (the value named), or a mask of another shape.
+        ValueError: for ``top`` outside ``(0, 1]`` (the value named), or a mask of another shape
+            (both shapes named). Across processes, an input refused on one process is raised on
+            every process of the group (a ``ValueError`` naming that rank), none left waiting.
 
     Example:
         >>> H = torch.tensor([[0.1, 2.0, 0.5, 9.0], [1.0, 0.3, 0.0, 0.0]])
@@ -124,12 +126,19 @@ def high_entropy_mask(
     """
     top = check_top(top)
     check_parallel_args(process_group, None)
-    check_floating("entropy", entropy)
-    mask = check_mask(mask, entropy, "entropy")
+    dp = data_parallel_group(process_group)
+    try:
+        check_floating("entropy", entropy)
+        mask = check_mask(mask, entropy, "entropy")
+    except (TypeError, ValueError) as err:
+        if dp.size == 1:
+            raise
+        # the other processes are about to gather: they learn of it there, and every process raises
+        _gathered(None, None, dp, problem=str(err))
+        raise  # pragma: no cover (_gathered raised)
     dtype = torch.promote_types(entropy.dtype, torch.float32)
     local = entropy.detach().to(dtype)
     valid = torch.ones_like(local, dtype=torch.bool) if mask is None else mask
-    dp = data_parallel_group(process_group)
     values, flags = _gathered(local.reshape(-1), valid.reshape(-1), dp)
     if values.numel() == 0:  # no token on any process (sizes are known to the host)
         return torch.zeros_like(valid)
@@ -137,13 +146,32 @@ def high_entropy_mask(
     return valid & (local >= threshold)
 
 
-def _gathered(values: Tensor, valid: Tensor, dp: DataParallelGroup) -> tuple[Tensor, Tensor]:
-    """Every process's ``values`` and ``valid`` flags, concatenated (padded positions invalid)."""
+def _gathered(
+    values: Optional[Tensor], valid: Optional[Tensor], dp: DataParallelGroup, problem: Optional[str] = None
+) -> tuple[Tensor, Tensor]:
+    """Every process's ``values`` and ``valid`` flags, concatenated (padded positions invalid).
+
+    The sizes travel with a flag per process: a process whose inputs were refused (``problem``) makes
+    every process raise its error (:func:`~lightning_kl.ground.parallel.agree`), at no extra collective
+    when none was.
+    """
     if dp.size == 1:
+        assert values is not None and valid is not None
         return values, valid
-    sizes = [torch.zeros(1, dtype=torch.int64, device=values.device) for _ in range(dp.size)]
-    dist.all_gather(sizes, torch.tensor([values.numel()], dtype=torch.int64, device=values.device), group=dp.group)
-    longest = max(int(s.item()) for s in sizes)  # the host read: the lengths to pad to
+    if values is not None:
+        device = values.device
+    elif dist.get_backend(dp.group) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    mine = torch.tensor([0 if values is None else values.numel(), problem is not None], dtype=torch.int64, device=device)
+    sizes = [torch.zeros(2, dtype=torch.int64, device=device) for _ in range(dp.size)]
+    dist.all_gather(sizes, mine, group=dp.group)
+    read = [s.tolist() for s in sizes]  # the host read: the lengths to pad to, and the refusals
+    if any(flag for _, flag in read):
+        agree(problem, dp.group)
+    assert values is not None and valid is not None
+    longest = max(n for n, _ in read)
     pad = longest - values.numel()
     # values and flags in one buffer of the values' dtype (a flag is 0 or 1, exact in any float)
     both = torch.stack([values, valid.to(values.dtype)])

@@ -61,7 +61,14 @@ def _main(rank: int, out: str, world: int) -> None:
     expected = m & (h.double() >= torch.quantile(valid, 1 - 0.3))
     rows = sum(p[0].shape[0] for p in parts[: members[mine].index(rank)])
     got = lk.high_entropy_mask(*rank_data(world, rank, "unequal"), top=0.3, process_group=groups[mine])
-    record = {"rank": rank, "world_size": world, "masks": masks,
+    # a mask of the wrong shape on the last rank: every rank raises its error, none waits
+    h, m = rank_data(world, rank, "unequal")
+    try:
+        lk.high_entropy_mask(h, m[:, :-1] if rank == world - 1 else m, top=0.2)
+        raised = None
+    except ValueError as err:
+        raised = str(err)
+    record = {"rank": rank, "world_size": world, "masks": masks, "raised": raised,
               "explicit_group": torch.equal(got, expected[rows:rows + got.shape[0]])}
     write_rank_record(out, record)
 

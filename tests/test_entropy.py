@@ -216,6 +216,10 @@ def test_the_mask_edges_top_one_keeps_every_valid_token_and_a_tiny_top_only_the_
     assert not lk.high_entropy_mask(h, torch.zeros_like(m), top=0.2).any()  # nothing valid: nothing kept
     assert not lk.high_entropy_mask(torch.zeros(0, 3), None).any()
     assert torch.equal(lk.high_entropy_mask(h, None, top=1.0), torch.ones_like(m))
+    with pytest.raises(ValueError, match=r"shape"):
+        lk.high_entropy_mask(h, m[:, :3])
+    with pytest.raises(TypeError, match="entropy"):
+        lk.high_entropy_mask(torch.ones(2, 3, dtype=torch.int64), None)
     nan = h.clone()
     nan[0, 0] = float("nan")  # a NaN on a valid token: nothing kept (torch.quantile is NaN there)
     assert not lk.high_entropy_mask(nan, m).any()
@@ -268,6 +272,9 @@ def test_the_mask_across_gloo_ranks_equals_one_process_on_the_concatenated_batch
             assert rec["masks"][case] == one[rows:rows + n].tolist(), (case, r)
             rows += n
     assert all(rec["explicit_group"] for rec in records)
+    for rec in records:  # one rank's bad mask: every rank raised the same error, naming it
+        assert rec["raised"] is not None and f"found on rank {world - 1}; every rank raises" in rec["raised"]
+        assert "shape" in rec["raised"]
 
 
 # ----------------------------------------------------------------------------------------------
