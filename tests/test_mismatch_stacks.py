@@ -35,7 +35,7 @@ def _batch(seed: int, scale: float = 0.3, b: int = 10, t: int = 12, empty: bool 
     mask = torch.arange(t) < lengths[:, None]
     rollout = -3.0 * torch.rand(b, t, generator=g, dtype=torch.float64)
     drift = scale * 0.5 * torch.randn(b, 1, generator=g, dtype=torch.float64)
-    logprob = rollout + drift + scale * torch.randn(b, t, generator=g, dtype=torch.float64)
+    logprob = -(rollout + drift + scale * torch.randn(b, t, generator=g, dtype=torch.float64)).abs()  # <= 0
     junk = torch.tensor([math.nan, math.inf, -math.inf, -1e10], dtype=torch.float64).repeat(t)[:t].expand(b, t)
     return {
         "logprob": torch.where(mask, logprob, junk),
@@ -226,7 +226,7 @@ TRL_CASES = [
 
 @pytest.mark.parametrize("cfg", TRL_CASES, ids=lambda c: "-".join(str(v) for v in c.values()))
 def test_weights_equal_trl_importance_sampling(trl: Any, cfg: dict[str, Any]) -> None:
-    batch = _batch(3, scale=0.6)
+    batch = _batch(4, scale=0.6)
     ne = _nonempty(batch)
     self = SimpleNamespace(
         vllm_importance_sampling_mode=cfg["vllm_importance_sampling_mode"],
