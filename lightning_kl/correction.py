@@ -46,6 +46,7 @@ VERL_DEFAULTS: dict[str, Any] = {
 }
 #: TRL's ``GRPOConfig`` fields read by :meth:`RolloutCorrection.from_trl` (TRL 1.16), with TRL's defaults
 TRL_DEFAULTS: dict[str, Any] = {
+    "use_vllm": False,
     "vllm_importance_sampling_correction": True,
     "vllm_importance_sampling_mode": "sequence_mask",
     "vllm_importance_sampling_clip_min": None,
@@ -336,22 +337,29 @@ class RolloutCorrection(nn.Module):
     def from_trl(cls, cfg: Any, **kwargs: Any) -> "RolloutCorrection":
         """From TRL's ``GRPOConfig`` (TRL 1.16) or a mapping of its fields; other fields are ignored.
 
-        ``vllm_importance_sampling_mode`` (``{token,sequence}_{truncate,mask}``) with
+        TRL corrects the mismatch only when vLLM generates (``use_vllm=True``; its default, False,
+        samples with the trained model itself, and ``GRPOTrainer`` then computes no importance
+        weight): there ``vllm_importance_sampling_mode`` (``{token,sequence}_{truncate,mask}``) with
         ``vllm_importance_sampling_clip_min`` / ``_clip_max`` (``_cap``, deprecated, is ``_clip_max``),
-        ``vllm_importance_sampling_correction=False`` for no weights, and ``off_policy_mask_threshold``.
+        and ``vllm_importance_sampling_correction=False`` for no weights. Without vLLM, or without the
+        correction, ``weights`` is None. ``off_policy_mask_threshold`` applies either way, as in TRL.
 
         Example:
-            >>> RolloutCorrection.from_trl({"vllm_importance_sampling_mode": "token_truncate"})
+            >>> RolloutCorrection.from_trl({"use_vllm": True, "vllm_importance_sampling_mode": "token_truncate"})
             RolloutCorrection(weights='token', mode='truncate', lower=None, upper=3.0)
+            >>> RolloutCorrection.from_trl({})  # GRPOConfig's defaults: no vLLM, no importance weights
+            RolloutCorrection(weights=None)
         """
         c = _read(cfg, TRL_DEFAULTS, "TRL", strict=False)
+        if not isinstance(c["use_vllm"], bool):
+            raise TypeError(f"`use_vllm` must be a bool, got {c['use_vllm']!r}.")
         mode = _choice("vllm_importance_sampling_mode", c["vllm_importance_sampling_mode"], TRL_MODES)
         upper = c["vllm_importance_sampling_clip_max"]
         if c["vllm_importance_sampling_cap"] is not None:
             upper = c["vllm_importance_sampling_cap"]
         level, how = mode.split("_")
         args: dict[str, Any] = {"weights": None, "upper": None}
-        if c["vllm_importance_sampling_correction"]:
+        if c["use_vllm"] and c["vllm_importance_sampling_correction"]:
             args = {"weights": level, "mode": how, "lower": c["vllm_importance_sampling_clip_min"], "upper": upper}
         return cls(**args, offpolicy_mask_threshold=c["off_policy_mask_threshold"], **kwargs)
 
