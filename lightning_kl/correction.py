@@ -140,6 +140,10 @@ class RolloutCorrection(nn.Module):
       :math:`\log\mu - \log\pi` exceeds it leaves the mask. Needs ``advantages``.
     * **bypass**: the engine's log-probs serve as the old log-probs (verl's ``bypass_mode``): the
       result's ``old_logprob`` is ``rollout_logprob``, and ``logprob`` is then the current policy's.
+    * **return_weights=False**: the weights are measured (their statistics are in ``.metrics``) but
+      not returned (``.weights`` is None), for a loss whose ratio already is the importance weight:
+      verl's bypass ``ppo_clip``, where :math:`\pi_\theta/\mu` is the PPO ratio, and a weight applied on
+      top of it would count it twice.
 
     Calling it returns a :class:`RolloutCorrectionResult`: ``.weights`` (detached; None when
     ``weights=None``), ``.mask`` (the kept tokens), ``.metrics`` (0-d tensors, no host read),
@@ -161,6 +165,7 @@ class RolloutCorrection(nn.Module):
             a ``k1`` option takes ``"lower_upper"`` ratio bounds.
         offpolicy_mask_threshold: the :math:`\delta` of DeepSeek-V3.2's off-policy sequence mask, or None.
         bypass: the engine's log-probs are the old log-probs.
+        return_weights: False to measure the weights without returning them (``.weights`` None).
         process_group, device_mesh: the data parallel group of ``batch_normalize`` (default: found by
             itself, as :class:`~lightning_kl.KLMetric` does).
 
@@ -191,6 +196,7 @@ class RolloutCorrection(nn.Module):
         rejection_threshold: Optional[Union[float, str, list[Union[float, str]]]] = None,
         offpolicy_mask_threshold: Optional[float] = None,
         bypass: bool = False,
+        return_weights: bool = True,
         process_group: Any = None,
         device_mesh: Any = None,
     ) -> None:
@@ -224,6 +230,11 @@ class RolloutCorrection(nn.Module):
         if not isinstance(bypass, bool):
             raise TypeError(f"`bypass` must be a bool, got {bypass!r}.")
         self.bypass = bypass
+        if not isinstance(return_weights, bool):
+            raise TypeError(f"`return_weights` must be a bool, got {return_weights!r}.")
+        if not return_weights and self.weights is None:
+            raise ValueError("`return_weights=False` measures the weights without returning them, but `weights` is None.")
+        self.return_weights = return_weights
         check_parallel_args(process_group, device_mesh)
         self.data_parallel = (process_group, device_mesh)
 
@@ -233,6 +244,8 @@ class RolloutCorrection(nn.Module):
             parts += [f"mode={self.mode!r}", f"lower={self.lower}", f"upper={self.upper}"]
             if self.batch_normalize:
                 parts.append("batch_normalize=True")
+            if not self.return_weights:
+                parts.append("return_weights=False")
         if self.rejection:
             parts.append(f"rejection={[o.name for o in self.rejection]}")
         if self.offpolicy_mask_threshold is not None:
@@ -289,6 +302,8 @@ class RolloutCorrection(nn.Module):
             keep = keep & kept
         metrics.update(mismatch_compute(mismatch_totals(logprob, rollout_logprob, mask)))
         old = rollout_logprob if self.bypass else logprob.detach()
+        if not self.return_weights:
+            weights = None  # measured above, in the metrics, as verl's bypass ppo_clip
         return RolloutCorrectionResult(weights=weights, mask=keep, metrics=metrics, old_logprob=old)
 
     # ------------------------------------------------------------------------------------------
@@ -301,7 +316,10 @@ class RolloutCorrection(nn.Module):
         ``rollout_is`` (None, ``"token"``, ``"sequence"``) with ``rollout_is_threshold`` (a number:
         TIS at that upper bound; ``"lower_upper"``: IcePop), ``rollout_is_batch_normalize``,
         ``rollout_rs`` and ``rollout_rs_threshold`` (rejection), ``bypass_mode``; ``loss_type``
-        names verl's policy loss (``docs/mismatch.md`` has the recipe of each), checked only.
+        names verl's policy loss in bypass mode (``docs/mismatch.md`` has the recipe of each). With
+        ``bypass_mode`` and ``loss_type="ppo_clip"`` verl measures the weights but does not apply them
+        (its PPO ratio, the current policy's over the engine's, already is the importance weight): the result's
+        ``weights`` is then None and their statistics are in ``metrics`` (``return_weights=False``).
         Missing keys take verl's defaults. ``kwargs`` go to the constructor (``process_group``...).
 
         Raises:
@@ -331,6 +349,8 @@ class RolloutCorrection(nn.Module):
             args["batch_normalize"] = bool(c["rollout_is_batch_normalize"])
         args.update(rejection=c["rollout_rs"], rejection_threshold=c["rollout_rs_threshold"] if c["rollout_rs"] else None)
         args["bypass"] = bool(c["bypass_mode"])
+        if args["bypass"] and c["loss_type"] == "ppo_clip" and args["weights"] is not None:
+            args["return_weights"] = False  # verl: "DO NOT apply IS weights - would be double-counting!"
         return cls(**args, **kwargs)
 
     @classmethod

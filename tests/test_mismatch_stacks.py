@@ -22,7 +22,7 @@ from torch import Tensor
 from torch.testing import assert_close
 
 import lightning_kl as lk
-from _mismatch_stacks import load_openrlhf, load_trl, load_verl, package_root, verl_presets
+from _mismatch_stacks import load_openrlhf, load_trl, load_verl, load_verl_bypass_loss, package_root, verl_presets
 from lightning_kl.correction import TRL_DEFAULTS
 
 RTOL, ATOL = 1e-6, 1e-12
@@ -188,6 +188,42 @@ def test_every_verl_preset_is_read_by_from_verl(verl: Any) -> None:
                 assert out.old_logprob is batch["rollout"], name
             else:
                 assert_close(out.old_logprob, batch["logprob"], rtol=0, atol=0, equal_nan=True)
+
+
+BYPASS_CASES = [
+    {"rollout_is": "token", "loss_type": "ppo_clip"},
+    {"rollout_is": "sequence", "rollout_is_threshold": "0.5_5.0", "loss_type": "ppo_clip"},
+    {"rollout_is": "token", "rollout_is_batch_normalize": True, "rollout_rs": "seq_mean_k3", "rollout_rs_threshold": 0.05},
+    {"rollout_is": None, "rollout_rs": "seq_mean_k1", "rollout_rs_threshold": "0.9_1.1", "loss_type": "ppo_clip"},
+    {"rollout_is": "token", "loss_type": "reinforce"},
+    {"rollout_is": "sequence", "rollout_rs": "token_k2", "rollout_rs_threshold": 0.05, "loss_type": "reinforce"},
+    {"rollout_is": None, "rollout_rs": "seq_mean_k1", "rollout_rs_threshold": "0.9_1.1", "loss_type": "reinforce"},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("cfg", BYPASS_CASES, ids=lambda c: "-".join(f"{v}" for v in c.values()))
+def test_bypass_weights_are_those_verl_applies(verl: Any, cfg: dict[str, Any]) -> None:
+    # verl 0.9.1's compute_policy_loss_bypass_mode: ppo_clip measures the weights (metrics) and passes
+    # none to its loss (the ratio pi_theta / mu is the weight); reinforce passes them
+    cfg = {**cfg, "bypass_mode": True}
+    batch = _batch(5, scale=0.3)
+    ne = _nonempty(batch)
+    theirs = load_verl_bypass_loss(verl.helper)(cfg, ne["logprob"], ne["rollout"], ne["mask"].double())
+    assert theirs["loss_type"] == cfg.get("loss_type", "ppo_clip")
+    fix = lk.RolloutCorrection.from_verl(cfg)
+    out = fix(batch["logprob"], batch["rollout"], batch["mask"])
+    keep = batch["mask"].any(-1)
+    if theirs["rollout_is_weights"] is None:
+        assert out.weights is None
+    else:
+        assert out.weights is not None
+        w = theirs["rollout_is_weights"]
+        assert_close(out.weights[keep][ne["mask"]], w[ne["mask"]], rtol=RTOL, atol=ATOL)
+    assert torch.equal(out.mask[keep], theirs["response_mask"].bool())
+    assert out.old_logprob is batch["rollout"]
+    must = ("rollout_is_mean", "rollout_is_eff_sample_size") if cfg["rollout_is"] else ()
+    must += ("rollout_is_batch_norm_factor",) if cfg.get("rollout_is_batch_normalize") else ()
+    _assert_metrics(out.metrics, theirs["metrics"], prefix="rollout_corr/", must=must + ("kl", "chi2_seq"))
 
 
 def test_verl_defaults_and_bad_verl_blocks(verl: Any) -> None:
