@@ -8,9 +8,11 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_kl.ground.parallel import check_parallel_args, data_parallel_group
+from lightning_kl.ground.checks import host_reads
+from lightning_kl.ground.parallel import DataParallelGroup, agree, check_parallel_args, data_parallel_group
 from lightning_kl.mismatch import (
     REJECTION_OPTIONS,
     WEIGHT_LEVELS,
@@ -114,6 +116,41 @@ def _read(cfg: Any, defaults: dict[str, Any], who: str, strict: bool) -> dict[st
     elif cfg is not None:
         out.update({k: getattr(cfg, k) for k in defaults if hasattr(cfg, k)})
     return out
+
+
+def _collective_device(x: Any, dp: DataParallelGroup) -> torch.device:
+    """Where this process's tensors for ``dp``'s collectives live, even when ``x`` is not a tensor."""
+    if isinstance(x, Tensor):
+        return x.device
+    if dist.get_backend(dp.group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _reduce_terms(dp: DataParallelGroup, terms: Optional[Tensor], problem: Optional[str], device: torch.device) -> Tensor:
+    """Sum the batch mean's ``[sum, count]`` over ``dp`` with a count of the processes that refused their
+    inputs (``problem``, a message, or None), in one all-reduce; return the summed terms.
+
+    When a process refused its inputs, every process raises: where values are read on the host
+    (:func:`~lightning_kl.ground.checks.host_reads`) the same ``ValueError`` on each
+    (:func:`~lightning_kl.ground.parallel.agree` gathers the message); elsewhere no value is read on
+    the host per call: the refusing process raises its own error (the caller's) and the others stop
+    on a device assertion. When no process refused anything, nothing more is read than the flag
+    (on the host where values are read on the host, else nowhere).
+    """
+    if dp.size == 1 and terms is not None:
+        return terms
+    packed = torch.zeros(3, dtype=torch.float64, device=device)
+    if terms is not None:
+        packed[:2] = terms
+    packed[2] = float(problem is not None)
+    dp.all_reduce_sum(packed)
+    if host_reads(packed.device):
+        if bool(packed[2] > 0):
+            agree(problem, dp.group)  # every process raises the same error
+    elif problem is None:  # (the refusing process raises its own error on return)
+        torch._assert_async(packed[2] == 0, "RolloutCorrection: another data parallel process refused its inputs")
+    return packed[:2]
 
 
 class RolloutCorrection(nn.Module):
@@ -269,17 +306,22 @@ class RolloutCorrection(nn.Module):
             rollout_logprob: ``[..., t]`` the engine's log-probs of the same tokens.
             mask: optional ``[..., t]`` mask, True on response tokens.
             advantages: ``[...]``, ``[..., 1]`` or ``[..., t]``; needed by ``offpolicy_mask_threshold``.
+
+        Raises:
+            TypeError, ValueError: for bad inputs. With ``batch_normalize`` on several processes, an
+                input refused on one process is refused on every one, with the same ``ValueError``
+                (naming the rank that found it), where the others would wait in the all-reduce.
         """
-        mask = check_mismatch_inputs(logprob, rollout_logprob, mask)
+        dp = data_parallel_group(*self.data_parallel) if self.batch_normalize else None
+        try:
+            mask = self._check(logprob, rollout_logprob, mask, advantages)
+        except (TypeError, ValueError) as err:
+            if dp is None or dp.size == 1:
+                raise
+            # the other processes are on their way to the all-reduce of the mean weight: meet them there
+            _reduce_terms(dp, None, str(err), _collective_device(logprob, dp))
+            raise  # the device form: the others stop on a device assertion
         m = torch.ones(logprob.shape, dtype=torch.bool, device=logprob.device) if mask is None else mask
-        if self.offpolicy_mask_threshold is not None:
-            if not isinstance(advantages, Tensor):
-                raise ValueError("`offpolicy_mask_threshold` is set: pass `advantages` (the sequences' advantages).")
-            if advantages.shape not in (m.shape, m.shape[:-1], (*m.shape[:-1], 1)):
-                raise ValueError(
-                    f"`advantages` must be [...], [..., 1] or [..., t] for log-probs {tuple(m.shape)}, got "
-                    f"{tuple(advantages.shape)}."
-                )
         dtype = dtype_of(logprob, rollout_logprob)
         lr = log_ratio(logprob, rollout_logprob, m, dtype)
         metrics: dict[str, Tensor] = {}
@@ -288,7 +330,8 @@ class RolloutCorrection(nn.Module):
             raw, weights = importance_weights(lr, m, self.weights, self.mode, self.lower, self.upper)
             metrics.update(weight_metrics(raw, weights, lr, m, self.weights, self.mode, self.lower, self.upper))
             if self.batch_normalize:
-                terms = data_parallel_group(*self.data_parallel).all_reduce_sum(weight_mean_terms(weights, m, self.weights))
+                assert dp is not None
+                terms = _reduce_terms(dp, weight_mean_terms(weights, m, self.weights), None, weights.device)
                 weights, metrics["rollout_is_batch_norm_factor"] = normalize_weights(weights, terms)
         keep = m
         if self.rejection:
@@ -305,6 +348,22 @@ class RolloutCorrection(nn.Module):
         if not self.return_weights:
             weights = None  # measured above, in the metrics, as verl's bypass ppo_clip
         return RolloutCorrectionResult(weights=weights, mask=keep, metrics=metrics, old_logprob=old)
+
+    def _check(
+        self, logprob: Tensor, rollout_logprob: Tensor, mask: Optional[Tensor], advantages: Optional[Tensor]
+    ) -> Optional[Tensor]:
+        """The checked mask (bool, or None); raises for bad inputs."""
+        mask = check_mismatch_inputs(logprob, rollout_logprob, mask)
+        if self.offpolicy_mask_threshold is not None:
+            shape = logprob.shape
+            if not isinstance(advantages, Tensor):
+                raise ValueError("`offpolicy_mask_threshold` is set: pass `advantages` (the sequences' advantages).")
+            if advantages.shape not in (shape, shape[:-1], (*shape[:-1], 1)):
+                raise ValueError(
+                    f"`advantages` must be [...], [..., 1] or [..., t] for log-probs {tuple(shape)}, got "
+                    f"{tuple(advantages.shape)}."
+                )
+        return mask
 
     # ------------------------------------------------------------------------------------------
     # each stack's own configuration, verbatim
