@@ -127,7 +127,9 @@ def _collective_device(x: Any, dp: DataParallelGroup) -> torch.device:
     return torch.device("cpu")
 
 
-def _reduce_terms(dp: DataParallelGroup, terms: Optional[Tensor], problem: Optional[str], device: torch.device) -> Tensor:
+def _reduce_terms(
+    dp: DataParallelGroup, terms: Optional[Tensor], problem: Optional[str], device: torch.device
+) -> Tensor:
     """Sum the batch mean's ``[sum, count]`` over ``dp`` with a count of the processes that refused their
     inputs (``problem``, a message, or None), in one all-reduce; return the summed terms.
 
@@ -183,7 +185,7 @@ class RolloutCorrection(nn.Module):
       top of it would count it twice.
 
     Calling it returns a :class:`RolloutCorrectionResult`: ``.weights`` (detached; None when
-    ``weights=None``), ``.mask`` (the kept tokens), ``.metrics`` (0-d tensors, no host read),
+    ``weights=None`` or ``return_weights=False``), ``.mask (the kept tokens), ``.metrics`` (0-d tensors, no host read),
     ``.old_logprob``. Into the loss (``docs/mismatch.md``)::
 
         fix = self.correction(old_logprob, batch["rollout_logprobs"], mask)     # in training_step
@@ -377,8 +379,9 @@ class RolloutCorrection(nn.Module):
         ``rollout_rs`` and ``rollout_rs_threshold`` (rejection), ``bypass_mode``; ``loss_type``
         names verl's policy loss in bypass mode (``docs/mismatch.md`` has the recipe of each). With
         ``bypass_mode`` and ``loss_type="ppo_clip"`` verl measures the weights but does not apply them
-        (its PPO ratio, the current policy's over the engine's, already is the importance weight): the result's
-        ``weights`` is then None and their statistics are in ``metrics`` (``return_weights=False``).
+        (its PPO ratio, the current policy's over the engine's, already is the importance weight): the
+        result's ``weights`` is then None and their statistics are in ``metrics``
+        (``return_weights=False``).
         Missing keys take verl's defaults. ``kwargs`` go to the constructor (``process_group``...).
 
         Raises:
