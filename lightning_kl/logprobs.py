@@ -216,7 +216,7 @@ def token_logprobs(
         >>> logits = torch.tensor([[0.0, 0.0], [2.0, 1.0]], requires_grad=True)
         >>> lp = token_logprobs(logits, torch.tensor([1, -100]), ignore_index=-100)
         >>> lp  # log(1/2); the ignored token gives 0
-        tensor([-0.6931,  0.0000], grad_fn=<_LogProbBackward>)
+        tensor([-0.6931,  0.0000], grad_fn=<_RowsBackward>)
         >>> lp.sum().backward(); logits.grad[0]  # one-hot minus softmax
         tensor([-0.5000,  0.5000])
         >>> z = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
