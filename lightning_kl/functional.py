@@ -33,6 +33,7 @@ from lightning_kl.vocab_inputs import check_full_hidden_inputs, check_full_input
 from lightning_kl.ground.sampler import Sampling
 from lightning_kl.ground.vocab_shards import is_vocab_parallel, local_part, sampled_locals
 from lightning_kl.kernels import fused
+from lightning_kl.kernels.engine import Head
 from lightning_kl.kernels.full import full_kl_compute, full_kl_from_hidden_compute
 from lightning_kl.logprobs import FromHidden
 from lightning_kl.sequence import (
@@ -201,7 +202,10 @@ def check_kl_inputs(
                 f"{type(logprob).__name__} and {type(ref_logprob).__name__}."
             )
         if all(hidden):
-            mask = check_full_hidden_inputs(*logprob, *ref_logprob, mask, stacklevel=stacklevel + 2)
+            mask = check_full_hidden_inputs(
+                logprob.hidden, logprob.weight, logprob.bias, ref_logprob.hidden, ref_logprob.weight, ref_logprob.bias, mask,
+                stacklevel=stacklevel + 2,
+            )
             like, what = logprob.hidden, "hidden"
         else:
             mask = check_full_inputs(logprob, ref_logprob, mask, stacklevel=stacklevel + 2)
@@ -290,7 +294,10 @@ def full_kl_values(x: Any, ref_x: Any, mask: Optional[Tensor], sampling: Samplin
             "or a sampling with the temperature alone."
         )
     if isinstance(x, FromHidden):
-        return full_kl_from_hidden_compute(*x, *ref_x, mask, sampling)
+        return full_kl_from_hidden_compute(
+            x.hidden, x.weight, x.bias, ref_x.hidden, ref_x.weight, ref_x.bias, mask, sampling,
+            head=Head(x.logit_scale, x.softcap), ref_head=Head(ref_x.logit_scale, ref_x.softcap),
+        )
     return full_kl_compute(x, ref_x, mask, sampling)
 
 
