@@ -180,7 +180,7 @@ def _merge_parts(local: Tensor, glob: Tensor, value: Tensor, reduce: Callable[[T
 
 
 class Source:
-    """Rows of logits read by chunks: a ``[..., V]`` tensor in place, or ``hidden @ weight.T + bias``.
+    r"""Rows of logits read by chunks: a ``[..., V]`` tensor in place, or ``hidden @ weight.T + bias``.
 
     A chunk of logits rows is a slice of the ``[n, V]`` view when the leading dims can be viewed as
     one, else it is gathered (``flat`` None: callers pass index tensors). From hidden states a chunk
