@@ -334,3 +334,88 @@ def test_bfloat16_heads_cap_in_float32_with_bfloat16_gradients():
     torch.testing.assert_close(lp.double(), want.detach(), rtol=1e-6, atol=1e-6)
     for leaf, leaf64 in zip(leaves, leaves64):
         torch.testing.assert_close(leaf.grad.double(), leaf64.grad, rtol=1e-2, atol=1e-2 * float(leaf64.grad.abs().max()))
+
+
+# ---------------------------------------------------------------------------------------------
+# lk.hf reads the scale and the cap from a transformers model's config: tiny models built in code
+
+
+def _tiny(kind: str) -> Any:
+    tf = pytest.importorskip("transformers")
+    common = dict(vocab_size=48, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    config, model = {
+        "gemma2": (lambda: tf.Gemma2Config(final_logit_softcapping=2.0, **common), tf.Gemma2ForCausalLM),
+        "gemma3": (lambda: tf.Gemma3TextConfig(final_logit_softcapping=2.0, **common), tf.Gemma3ForCausalLM),
+        "cohere": (lambda: tf.CohereConfig(logit_scale=0.5, **common), tf.CohereForCausalLM),
+        "cohere2": (lambda: tf.Cohere2Config(logit_scale=0.0625, eos_token_id=1, **common), tf.Cohere2ForCausalLM),
+        "granite": (lambda: tf.GraniteConfig(logits_scaling=4.0, **common), tf.GraniteForCausalLM),
+    }[kind]
+    torch.manual_seed(0)
+    m = model(config()).double().eval()
+    with torch.no_grad():
+        m.get_output_embeddings().weight.mul_(25.0)  # logits of several units: well into a cap of 2
+    return m
+
+
+@pytest.mark.parametrize(
+    "kind, want",
+    [
+        ("gemma2", {"logit_scale": 1.0, "softcap": 2.0}),
+        ("gemma3", {"logit_scale": 1.0, "softcap": 2.0}),
+        ("cohere", {"logit_scale": 0.5, "softcap": None}),
+        ("cohere2", {"logit_scale": 0.0625, "softcap": None}),
+        ("granite", {"logit_scale": 0.25, "softcap": None}),
+    ],
+)
+def test_hf_from_hidden_gives_the_models_own_log_probs_and_gradients(kind, want):
+    """From the last hidden states, the engine's log-probs, entropy and KL equal those of the model's own
+    logits (float64 model), and so do the gradients w.r.t. the hidden states and the head."""
+    model = _tiny(kind)
+    assert lk.hf.logit_transform(model) == want
+    ids = torch.randint(0, 48, (2, 7), generator=torch.Generator().manual_seed(1))
+    out = model(input_ids=ids, output_hidden_states=True)
+    last = out.hidden_states[-1]  # after the final norm: the tensor the model's logits are made from
+    logits, hidden = out.logits[:, :-1], last[:, :-1]
+    if want["softcap"] is not None:
+        assert logits.abs().max() < want["softcap"] < F.linear(hidden, model.get_output_embeddings().weight).abs().max()  # the cap bends
+    targets = ids[:, 1:]
+    x = lk.hf.from_hidden(model, hidden)
+    assert isinstance(x, lk.FromHidden) and x.weight is model.get_output_embeddings().weight
+    head = model.get_output_embeddings().weight
+    for sampling in (lk.Sampling(), lk.Sampling(0.7, top_k=5)):
+        got = lk.token_logprobs(x, targets, sampling=sampling, outside="-inf")
+        want_lp = lk.token_logprobs(logits, targets, sampling=sampling, outside="-inf")
+        torch.testing.assert_close(got, want_lp, rtol=1e-12, atol=1e-12)
+        finite = want_lp.isfinite()
+        if finite.any():
+            g_h, g_w = torch.autograd.grad(got[finite].sum(), (last, head), retain_graph=True)
+            w_h, w_w = torch.autograd.grad(want_lp[finite].sum(), (last, head), retain_graph=True)
+            torch.testing.assert_close(g_h, w_h, rtol=1e-10, atol=1e-12)
+            torch.testing.assert_close(g_w, w_w, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(lk.token_entropy(x, sampling=sampling), lk.token_entropy(logits, sampling=sampling), rtol=1e-12, atol=1e-12)
+    # the plain composition, float64: log_softmax of the model's logits
+    torch.testing.assert_close(
+        lk.token_logprobs(x, targets), torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1), rtol=1e-12, atol=1e-12
+    )
+    # the full KL to a reference that is the same model with another head: each FromHidden its own transform
+    ref_hidden = hidden.detach() * 0.9
+    kl = lk.full_kl(x, lk.hf.from_hidden(model, ref_hidden), torch.ones(2, 6, dtype=torch.bool))
+    with torch.no_grad():
+        ref_logits = model.lm_head(ref_hidden) * want["logit_scale"]
+        if want["softcap"] is not None:
+            ref_logits = want["softcap"] * torch.tanh(ref_logits / want["softcap"])
+    torch.testing.assert_close(kl, lk.full_kl(logits, ref_logits, torch.ones(2, 6, dtype=torch.bool)), rtol=1e-10, atol=1e-12)
+
+
+def test_hf_refuses_a_scale_it_does_not_know_how_the_model_applies():
+    from types import SimpleNamespace
+
+    with pytest.raises(ValueError, match=r"model type 'hyperclovax' sets logits_scaling=2\.0, which lk.hf does not know"):
+        lk.hf.logit_transform(SimpleNamespace(model_type="hyperclovax", logits_scaling=2.0))
+    with pytest.raises(ValueError, match=r"model type 'mpt' sets logit_scale=0\.5"):
+        lk.hf.logit_transform(SimpleNamespace(model_type="mpt", logit_scale=0.5))
+    assert lk.hf.logit_transform(SimpleNamespace(model_type="mpt", logit_scale=None)) == {"logit_scale": 1.0, "softcap": None}
+    with pytest.raises(ValueError, match=r"`softcap` must be a finite number > 0"):
+        lk.hf.logit_transform(SimpleNamespace(model_type="gemma2", final_logit_softcapping=0.0))
+    with pytest.raises(TypeError, match=r"no LM head to read"):
+        lk.hf.from_hidden(SimpleNamespace(config=SimpleNamespace(model_type="gemma2")), torch.zeros(1, 2))
