@@ -40,6 +40,7 @@ from lightning_kl.sequence import (
     check_kl_to_go,
     check_level,
     check_sampled_logprob,
+    exclusive_cumsum,
     full_with_kl_to_go,
     prefix_log_weights,
     weighted_kl_to_go,
@@ -380,7 +381,7 @@ def _sequence_level(
             # the token level's cancellation-free w * k3, with the prefix's log-weight moved into the
             # sampler's log-prob: lp - (old - sum_{u<t} log w_u) = log rho_{1:t}, gradient of lp alone
             log_w = torch.where(mask, log_w, zero) if mask is not None else log_w
-            prefix = (log_w.cumsum(-1) - log_w).detach()
+            prefix = exclusive_cumsum(log_w.detach())  # sum_{u<t} log w_u, small prefixes exact
             value = _off_policy_k3(logprob, ref_logprob, old_logprob.to(zero.dtype) - prefix, mask, max_weight, zero.dtype)
         else:
             value = weight * value
