@@ -382,6 +382,15 @@ def _hf_call(device: torch.device, which: str) -> Callable[[], Any]:
     return lambda: lk.hf.reference_logprobs(model, sequences, am, 3)
 
 
+def _capped_call(device: torch.device) -> Callable[[], Any]:
+    """A Gemma-style head (soft cap) read from a config by lk.hf.from_hidden: the cap and its chain rule on the device."""
+    head = nn.Linear(32, 50).to(device)
+    model = SimpleNamespace(config=SimpleNamespace(model_type="gemma2", final_logit_softcapping=2.0), get_output_embeddings=lambda: head)
+    h = torch.randn(16, 32, device=device, requires_grad=True)
+    y = torch.randint(0, 50, (16,), device=device)
+    return lambda: lk.token_logprobs(lk.hf.from_hidden(model, h), y).sum().backward()
+
+
 _IDS = "the id range check reads the ids' min and max on the host (vocab_inputs.py: check_tokens)"
 _H2D = "copies a Python number or list to the device (torch.tensor / torch.as_tensor on CUDA waits for the copy)"
 
@@ -428,6 +437,7 @@ SYNC_CALLS: list[SyncCall] = [
     SyncCall("hf.response_logits", ("hf.response_logits",), lambda d: _hf_call(d, "response_logits")),
     SyncCall("hf.response_logprobs (tiny LM, backward)", ("hf.response_logprobs",), lambda d: _hf_call(d, "response_logprobs"), syncs=_IDS + " (through token_logprobs)"),
     SyncCall("hf.reference_logprobs (adapters off)", ("hf.reference_logprobs", "hf.adapters_disabled"), lambda d: _hf_call(d, "reference_logprobs"), syncs=_IDS + " (through token_logprobs)"),
+    SyncCall("hf.from_hidden (soft cap, backward)", ("hf.from_hidden",), _capped_call, syncs=_IDS + " (through token_logprobs)"),
 ]
 
 #: Public names with no device work to check, and why.
@@ -440,6 +450,7 @@ HOST_ONLY: dict[str, str] = {
     "by design (also behind hf.response_logprobs(sampler_scores=), which is off by default)",
     "hf.SamplerAgreement": "a tuple of Python numbers (host data)",
     "hf.SamplerMismatchWarning": "a warning class",
+    "hf.logit_transform": "reads a model's config: Python numbers (host data)",
     "VocabShard": "needs a tensor parallel process group; its device form without host reads is "
     "checked on CPU by tests/test_vocab_parallel.py",
 }

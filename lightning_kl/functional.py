@@ -33,12 +33,14 @@ from lightning_kl.vocab_inputs import check_full_hidden_inputs, check_full_input
 from lightning_kl.ground.sampler import Sampling
 from lightning_kl.ground.vocab_shards import is_vocab_parallel, local_part, sampled_locals
 from lightning_kl.kernels import fused
+from lightning_kl.kernels.engine import Head
 from lightning_kl.kernels.full import full_kl_compute, full_kl_from_hidden_compute
 from lightning_kl.logprobs import FromHidden
 from lightning_kl.sequence import (
     check_kl_to_go,
     check_level,
     check_sampled_logprob,
+    exclusive_cumsum,
     full_with_kl_to_go,
     prefix_log_weights,
     weighted_kl_to_go,
@@ -201,7 +203,10 @@ def check_kl_inputs(
                 f"{type(logprob).__name__} and {type(ref_logprob).__name__}."
             )
         if all(hidden):
-            mask = check_full_hidden_inputs(*logprob, *ref_logprob, mask, stacklevel=stacklevel + 2)
+            mask = check_full_hidden_inputs(
+                logprob.hidden, logprob.weight, logprob.bias, ref_logprob.hidden, ref_logprob.weight, ref_logprob.bias, mask,
+                stacklevel=stacklevel + 2,
+            )
             like, what = logprob.hidden, "hidden"
         else:
             mask = check_full_inputs(logprob, ref_logprob, mask, stacklevel=stacklevel + 2)
@@ -290,7 +295,10 @@ def full_kl_values(x: Any, ref_x: Any, mask: Optional[Tensor], sampling: Samplin
             "or a sampling with the temperature alone."
         )
     if isinstance(x, FromHidden):
-        return full_kl_from_hidden_compute(*x, *ref_x, mask, sampling)
+        return full_kl_from_hidden_compute(
+            x.hidden, x.weight, x.bias, ref_x.hidden, ref_x.weight, ref_x.bias, mask, sampling,
+            head=Head(x.logit_scale, x.softcap), ref_head=Head(ref_x.logit_scale, ref_x.softcap),
+        )
     return full_kl_compute(x, ref_x, mask, sampling)
 
 
@@ -373,7 +381,7 @@ def _sequence_level(
             # the token level's cancellation-free w * k3, with the prefix's log-weight moved into the
             # sampler's log-prob: lp - (old - sum_{u<t} log w_u) = log rho_{1:t}, gradient of lp alone
             log_w = torch.where(mask, log_w, zero) if mask is not None else log_w
-            prefix = (log_w.cumsum(-1) - log_w).detach()
+            prefix = exclusive_cumsum(log_w.detach())  # sum_{u<t} log w_u, small prefixes exact
             value = _off_policy_k3(logprob, ref_logprob, old_logprob.to(zero.dtype) - prefix, mask, max_weight, zero.dtype)
         else:
             value = weight * value

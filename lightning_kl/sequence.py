@@ -133,6 +133,7 @@ from __future__ import annotations
 from typing import Literal, Optional, Union
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_kl.estimators import base_value
@@ -145,6 +146,7 @@ __all__ = [
     "check_level",
     "check_sampled_logprob",
     "check_sequence_agg",
+    "exclusive_cumsum",
     "full_with_kl_to_go",
     "future_sum",
     "KL_TO_GO",
@@ -318,6 +320,9 @@ def weighted_kl_to_go(
 def future_sum(values: Tensor, mask: Optional[Tensor]) -> Tensor:
     r"""The detached :math:`\sum_{s > t,\ \mathrm{valid}} v_s` along the last dimension.
 
+    A reversed cumulative sum shifted by one: each tail is summed from the later values alone, so a
+    tail far smaller than :math:`v_t` keeps its digits (``(sum from t on) - v_t`` would cancel them).
+
     Example:
         >>> future_sum(torch.tensor([1.0, 2.0, float("inf"), 4.0]), torch.tensor([True, True, False, True]))
         tensor([6., 4., 4., 0.])
@@ -325,8 +330,20 @@ def future_sum(values: Tensor, mask: Optional[Tensor]) -> Tensor:
     with torch.no_grad():
         if mask is not None:
             values = torch.where(mask, values, torch.zeros((), dtype=values.dtype, device=values.device))
-        # sum over s >= t, minus the token itself; the flipped cumsum keeps the small tail sums exact
-        return values.flip(-1).cumsum(-1).flip(-1) - values
+        return exclusive_cumsum(values.flip(-1)).flip(-1)
+
+
+def exclusive_cumsum(values: Tensor) -> Tensor:
+    r""":math:`\sum_{u < t} v_u` along the last dimension: a cumulative sum shifted by one (0 first), never
+    ``cumsum - v``, which loses the digits of a prefix far smaller than :math:`v_t`.
+
+    Example:
+        >>> exclusive_cumsum(torch.tensor([1e-8, 1.0, 2.0]))
+        tensor([0.0000e+00, 1.0000e-08, 1.0000e+00])
+    """
+    if values.shape[-1] == 0:
+        return values.clone()
+    return F.pad(values[..., :-1].cumsum(-1), (1, 0))
 
 
 def full_with_kl_to_go(kl: Tensor, sampled_logprob: Tensor, mask: Optional[Tensor]) -> Tensor:

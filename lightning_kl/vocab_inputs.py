@@ -5,6 +5,8 @@ Errors name the shapes and values."""
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any, Optional
 
 import torch
@@ -24,6 +26,7 @@ __all__ = [
     "check_full_hidden_inputs",
     "check_full_inputs",
     "check_head",
+    "check_logit_transform",
     "check_not_sharded",
     "check_tokens",
 ]
@@ -47,6 +50,29 @@ def check_not_sharded(name: str, x: Tensor) -> None:
         "and reduce-scatters its gradient after backward. Never pass `weight.full_tensor()`: its gradient "
         "goes back to each rank's shard from that rank's rows only, and FSDP never reduce-scatters it."
     )
+
+
+def check_logit_transform(logit_scale: Any, softcap: Any) -> tuple[float, Optional[float]]:
+    """A head's logit scale (a finite number > 0) and soft cap (None, or a finite number > 0), as floats.
+
+    A scale of 0 would make every distribution uniform and a negative one would reverse it: no model
+    has either, so both are refused as mistakes. A soft cap of 0 or below, or infinite, is no cap
+    (``None`` is).
+
+    Raises:
+        TypeError: for a value that is not a real number (``bool`` included), naming it.
+        ValueError: for a value out of range, naming it and the range.
+    """
+    for name, value in (("logit_scale", logit_scale), ("softcap", softcap)):
+        if name == "softcap" and value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            none = " or None" if name == "softcap" else ""
+            raise TypeError(f"`{name}` must be a real number{none}, got {type(value).__name__} {value!r}.")
+        if not (math.isfinite(value) and value > 0):
+            none = " or None (no cap)" if name == "softcap" else ""
+            raise ValueError(f"`{name}` must be a finite number > 0{none}, got {value!r}.")
+    return float(logit_scale), None if softcap is None else float(softcap)
 
 
 def check_full_inputs(logits: Any, ref_logits: Any, mask: Optional[Tensor], stacklevel: int = 4) -> Optional[Tensor]:
