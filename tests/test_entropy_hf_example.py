@@ -147,3 +147,67 @@ def test_a_bad_top_entropy_fails_at_construction(bad):
 def test_a_bad_entropy_coef_fails_at_construction():
     with pytest.raises(ValueError, match="`coef` must be a finite number >= 0"):
         ex.HFGRPO(entropy_coef=-0.1)
+
+
+# --- examples/entropy_study.py --config: the HF study, tiny ----------------------------------------
+
+
+def _study_yaml(tmp_path, **changes):
+    import yaml
+
+    raw = {
+        "base_config": str(CONFIG),
+        "overrides": {
+            "trainer": {"enable_progress_bar": False, "enable_model_summary": False, "enable_checkpointing": False},
+            "model": {**_worker.TINY_MODEL, "cache_dir": str(tmp_path / "reference")},
+            "data": {**_worker.TINY_DATA, "rollouts": 2, "sampling": {"temperature": 1.0, "top_p": 1.0}},
+        },
+        "out": str(tmp_path / "study"),
+        "target": 5.0,
+        "seeds": [0],
+        "arms": {
+            "target": {"entropy_coef": {"class_path": "lightning_kl.TargetEntropyController",
+                                        "init_args": {"target_entropy": 5.0, "init_coef": 0.1, "step_size": 0.3}}},
+            "top20": {"top_entropy": 0.2},
+        },
+    }
+    raw.update(changes)
+    path = tmp_path / "entropy_hf_test.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def _study_module():
+    spec = importlib.util.spec_from_file_location("entropy_study", ROOT / "examples" / "entropy_study.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"arms": ["none"]}, "`arms` must map each arm's name to the model's arguments"),
+    ({"rollouts": 3}, "a mapping with the keys"),
+])
+def test_a_bad_hf_study_fails_before_any_run(tmp_path, changes, match):
+    with pytest.raises(ValueError, match=match):
+        _study_module().load_hf(_study_yaml(tmp_path, **changes))
+    assert not (tmp_path / "study").exists()
+
+
+def test_a_tiny_hf_entropy_study_runs_reports_and_resumes(tmp_path, one_thread, capsys):
+    import csv
+
+    study = _study_module()
+    args = ["--config", str(_study_yaml(tmp_path)), "--png", str(tmp_path / "hf.png")]
+    study.main(args)
+    with open(tmp_path / "study" / "entropy_study.csv", newline="") as f:
+        rows = {r["arm"]: r for r in csv.DictReader(f)}
+    assert sorted(rows) == ["target", "top20"] and (tmp_path / "hf.png").stat().st_size > 0
+    for r in rows.values():
+        assert int(r["rollouts"]) == 2 and 0 < float(r["entropy_last"]) < math.log(ex.VOCAB_SIZE)
+    assert float(rows["target"]["coef_final"]) > 0.1  # far under its target: the controller raised it
+    assert float(rows["target"]["kept_fraction"]) == 1.0
+    assert 0.15 < float(rows["top20"]["kept_fraction"]) < 0.6  # a fifth of the tokens (ties kept)
+    capsys.readouterr()
+    study.main(args)  # every run is in the CSV: nothing runs again
+    assert "[entropy_study]" not in capsys.readouterr().out
