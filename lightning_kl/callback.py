@@ -14,7 +14,7 @@ from typing_extensions import override
 
 from lightning_kl.controllers import FixedKLController, KLController
 from lightning_kl.estimators import SAMPLED_ESTIMATORS, SampledEstimatorName, parse_estimator
-from lightning_kl.functional import check_pair, kl_penalty_compute
+from lightning_kl.functional import check_logprob_values, check_pair, kl_penalty_compute
 from lightning_kl.ground.checks import check_mask, compute_dtype
 from lightning_kl.ground.parallel import check_parallel_args, data_parallel_group
 
@@ -102,8 +102,8 @@ class KLRewardCallback(ControllerFaultCallback):
 
     Raises:
         ValueError: at construction, for an unknown estimator or a bad argument; at a step, for a
-            batch that is not a mapping, misses a key (named, with the keys it has) or holds tensors
-            whose shapes do not fit (named).
+            batch that is not a mapping, misses a key (named, with the keys it has), holds tensors
+            whose shapes do not fit (named), or log-probs above 0 at valid positions (the loss's check).
     """
 
     def __init__(
@@ -193,6 +193,7 @@ class KLRewardCallback(ControllerFaultCallback):
             raise ValueError(f"`{self.logprobs_key}` must have a token dimension, got shape {tuple(logprobs.shape)}.")
         mask = check_mask(batch[self.mask_key], logprobs, self.logprobs_key)
         assert mask is not None
+        check_logprob_values({self.logprobs_key: logprobs, self.ref_logprobs_key: ref_logprobs}, mask)
         if not isinstance(scores, Tensor):
             raise TypeError(f"`{self.scores_key}` must be a tensor, got {type(scores).__name__}.")
 

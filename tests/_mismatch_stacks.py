@@ -1,10 +1,11 @@
 """The other stacks' own rollout-correction code, loaded from their installed packages with their
 framework imports stubbed, for ``tests/test_mismatch_stacks.py``.
 
-Each stack is installed without its dependencies, either into a folder named by the environment
-variable ``LIGHTNING_KL_STACKS`` (``pip install --no-deps --target DIR verl==0.9.1 trl==1.16.0
-openrlhf==0.11.2``: nothing else imports them from there) or into the environment; a loader skips the
-calling test when the package or the pinned version is missing. (Installed into the environment
+Each stack is installed without its dependencies, either into a folder (``pip install --no-deps
+--target DIR verl==0.9.1 trl==1.16.0 openrlhf==0.11.2``: nothing else imports them from there) or into
+the environment; a loader skips the calling test when the package or the pinned version is missing.
+The folder is the environment variable ``LIGHTNING_KL_STACKS`` when it is set, else ``.stacks`` at the
+repository's root, where the README's install command puts them. (Installed into the environment
 without its dependencies, ``trl`` imports but its modules do not, which ``benchmarks/gpu.py`` reports
 as an error of its TRL anchor: prefer the folder.) Nothing here copies their code: the files are read
 from the installed package and executed as they are.
@@ -38,9 +39,21 @@ import torch
 VERSIONS = {"verl": "0.9.1", "trl": "1.16.0", "openrlhf": "0.11.2"}
 
 
+#: where the README's install command puts the stacks (``pip install --no-deps --target .stacks ...``)
+DEFAULT_STACKS = Path(__file__).resolve().parent.parent / ".stacks"
+
+
+def stacks_folder() -> str:
+    """``LIGHTNING_KL_STACKS`` when set, else the repository's ``.stacks`` when it exists, else ''."""
+    stacks = os.environ.get("LIGHTNING_KL_STACKS")
+    if stacks:
+        return stacks
+    return str(DEFAULT_STACKS) if DEFAULT_STACKS.is_dir() else ""
+
+
 def package_root(name: str) -> Path:
     """The installed package's folder, or skip the test (not installed, or another version)."""
-    stacks = os.environ.get("LIGHTNING_KL_STACKS")
+    stacks = stacks_folder()
     if stacks:
         for dist in importlib.metadata.distributions(path=[stacks]):
             if dist.metadata["Name"].lower() == name:
@@ -51,8 +64,8 @@ def package_root(name: str) -> Path:
         version = importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
         pytest.skip(
-            f"{name} is not installed (pip install --no-deps --target DIR {name}=={VERSIONS[name]}, "
-            "then LIGHTNING_KL_STACKS=DIR)"
+            f"{name} is not installed (the README's install command: pip install --no-deps --target .stacks "
+            f"{name}=={VERSIONS[name]}; or another DIR and LIGHTNING_KL_STACKS=DIR)"
         )
     if version != VERSIONS[name]:
         pytest.skip(f"{name} {version} is installed; these tests read {name} {VERSIONS[name]}")
@@ -132,6 +145,43 @@ def load_verl() -> tuple[types.ModuleType, type]:
         algorithm = _exec_file("verl.trainer.config.algorithm", root / "trainer" / "config" / "algorithm.py")
         helper = _exec_file("verl.trainer.ppo.rollout_corr_helper", root / "trainer" / "ppo" / "rollout_corr_helper.py")
     return helper, algorithm.RolloutCorrectionConfig
+
+
+def load_verl_bypass_loss(helper: types.ModuleType) -> Callable[..., dict[str, Any]]:
+    """verl's ``compute_policy_loss_bypass_mode`` (``verl/trainer/ppo/core_algos.py``, taken out by its
+    syntax tree), its two policy losses replaced by a recorder: ``f(cfg, log_prob, rollout_log_prob,
+    response_mask)`` returns which loss it chose (``"loss_type"``), the ``rollout_is_weights`` and the
+    ``response_mask`` it passed to it, and its metrics. ``helper`` is :func:`load_verl`'s module."""
+    root = package_root("verl")
+    fn = _function(_tree(root / "trainer" / "ppo" / "core_algos.py"), "compute_policy_loss_bypass_mode")
+    seen: dict[str, Any] = {}
+
+    def recorder(name: str) -> Callable[..., Any]:
+        def loss(**kwargs: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+            seen.update(loss_type=name, rollout_is_weights=kwargs["rollout_is_weights"], response_mask=kwargs["response_mask"])
+            return torch.zeros(()), {}
+
+        return loss
+
+    namespace: dict[str, Any] = {
+        "torch": torch, "Any": Any, "Optional": __import__("typing").Optional, "ActorConfig": object,
+        "compute_policy_loss_vanilla": recorder("ppo_clip"), "compute_policy_loss_reinforce": recorder("reinforce"),
+    }  # fmt: skip
+    bypass = _compile(fn, namespace)
+    stubs = {name: _module(name) for name in ("verl", "verl.trainer", "verl.trainer.ppo")}
+    stubs["verl.trainer.ppo.rollout_corr_helper"] = helper
+
+    def call(cfg: dict[str, Any], log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, mask: torch.Tensor) -> dict[str, Any]:
+        seen.clear()
+        config = types.SimpleNamespace(policy_loss={"rollout_correction": cfg})
+        with _Stubbed(stubs):  # the function imports the helper by its name
+            _, metrics = bypass(
+                old_log_prob=rollout_log_prob, log_prob=log_prob, advantages=torch.ones_like(log_prob),
+                response_mask=mask, config=config,
+            )  # fmt: skip
+        return {**seen, "metrics": metrics}
+
+    return call
 
 
 def verl_presets(config_class: type) -> dict[str, Any]:
