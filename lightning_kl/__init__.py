@@ -11,7 +11,7 @@ from lightning_kl.ground.vector_math import settle_vector_math
 settle_vector_math()  # first of all: oneMKL picks its exp/log kernels at this call, in this thread (see there)
 
 from lightning_kl.accumulation import step_totals
-from lightning_kl.callback import KLRewardCallback
+from lightning_kl.callbacks.kl_reward import KLRewardCallback
 from lightning_kl.controllers import AdaptiveKLController, FixedKLController, KLController, KLSchedule, TargetKLController
 from lightning_kl.correction import RolloutCorrection
 from lightning_kl.estimators import EstimatorName
@@ -27,7 +27,7 @@ from lightning_kl.mismatch_metric import MismatchMetric
 from lightning_kl.refresh import ReferenceRefresh
 from lightning_kl.rollouts import OnPolicyRollouts
 from lightning_kl.sequence import Level
-from lightning_kl.trainer_hooks import KLLossCallback
+from lightning_kl.callbacks.kl_loss import KLLossCallback
 
 __version__ = "0.2.0"
 

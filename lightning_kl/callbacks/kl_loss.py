@@ -32,7 +32,8 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 from typing_extensions import override
 
-from lightning_kl.callback import ControllerFaultCallback, KLRewardCallback
+from lightning_kl.callbacks.faults import ControllerFaultCallback
+from lightning_kl.callbacks.kl_reward import KLRewardCallback
 from lightning_kl.controllers import KLController
 from lightning_kl.loss import KLPenaltyLoss
 
