@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import warnings
 from typing import Any, Optional
 
 from lightning_kl.ground.vector_math import settle_vector_math
@@ -19,6 +18,7 @@ from lightning_kl import hf  # imports neither transformers nor peft
 from lightning_kl.ground.sampler import Sampling
 from lightning_kl.ground.vocab_shards import VocabShard
 from lightning_kl.functional import AggMode, aggregate, kl_penalty
+from lightning_kl.ground.checks import warn_user
 from lightning_kl.logprobs import FromHidden, full_kl, token_entropy, token_logprobs
 from lightning_kl.loss import KLPenaltyLoss
 from lightning_kl.metric import KLMetric
@@ -89,10 +89,6 @@ def __getattr__(name: str) -> Any:
     if name in _DEPRECATED:
         module, attribute, instead = _DEPRECATED[name]
         if instead is not None:
-            warnings.warn(
-                f"`lightning_kl.{name}` is deprecated and leaves in the next minor version: use {instead}.",
-                DeprecationWarning,
-                stacklevel=2,
-            )
+            warn_user(f"`lightning_kl.{name}` is deprecated and leaves in the next minor version: use {instead}.", DeprecationWarning)
         return getattr(importlib.import_module(module), attribute)
     raise AttributeError(f"module 'lightning_kl' has no attribute {name!r}")
