@@ -77,10 +77,10 @@ _DEPRECATED: dict[str, tuple[str, str, Optional[str]]] = {
     # functions and a type that warn themselves when called (naming the new call): no second warning here
     "token_logprobs_from_hidden": ("lightning_kl.logprobs", "token_logprobs_from_hidden", None),
     "full_kl_from_hidden": ("lightning_kl.logprobs", "full_kl_from_hidden", None),
-    "processed_logprobs": ("lightning_kl.sampling", "processed_logprobs", None),
-    "processed_logprobs_from_hidden": ("lightning_kl.sampling", "processed_logprobs_from_hidden", None),
-    "processed_full_kl": ("lightning_kl.sampling", "processed_full_kl", None),
-    "SampledLogprobs": ("lightning_kl.sampling", "SampledLogprobs", "lk.token_logprobs(..., sampling=, return_log_kept=True)"),
+    "processed_logprobs": ("lightning_kl.deprecated", "processed_logprobs", None),
+    "processed_logprobs_from_hidden": ("lightning_kl.deprecated", "processed_logprobs_from_hidden", None),
+    "processed_full_kl": ("lightning_kl.deprecated", "processed_full_kl", None),
+    "SampledLogprobs": ("lightning_kl.deprecated", "SampledLogprobs", "lk.token_logprobs(..., sampling=, return_log_kept=True)"),
 }
 
 

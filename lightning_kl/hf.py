@@ -43,7 +43,7 @@ from torch import Tensor
 
 from lightning_kl.ground.checks import check_temperature
 from lightning_kl.ground.sampler import Sampling
-from lightning_kl.kernels.processing import check_processing
+from lightning_kl.ground.sampler import check_processing
 from lightning_kl.ground.sampler import Sampling
 from lightning_kl.logprobs import token_logprobs
 

@@ -19,7 +19,7 @@ LAYER_OF = {
     "functional": 2,
     "sequence": 2,
     "logprobs": 2,
-    "sampling": 2,
+    "deprecated": 2,
     "accumulation": 2,
     "mismatch": 2,
 }  # shells and integrations (the rest: loss, coefficient, metric, controllers, callbacks/, refresh/, hf...): 3
