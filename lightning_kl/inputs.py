@@ -13,7 +13,6 @@ argument, the shapes and what fits.
 
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple, Optional
 
 import torch

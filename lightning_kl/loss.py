@@ -396,6 +396,11 @@ class KLPenaltyLoss(nn.Module):
         state["_trainer_ref"] = None
         return state
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # a copy or an unpickled loss (a spawned process's) is alive too: KLLossCallback must find it
+        super().__setstate__(state)
+        _LIVE.add(self)
+
     def _trainer_accumulation(self) -> Optional[int]:
         # the Trainer's accumulate_grad_batches while it trains the LightningModule holding this loss;
         # 1 while it validates, tests or predicts (nothing accumulates); None when attached to none

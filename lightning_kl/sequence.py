@@ -136,7 +136,6 @@ import torch
 from torch import Tensor
 
 from lightning_kl.estimators import base_value
-from lightning_kl.ground.checks import check_floating
 from lightning_kl.inputs import check_sampled_logprob  # noqa: F401  (with every per-call check; named here for 0.2's callers)
 
 __all__ = [

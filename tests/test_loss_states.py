@@ -198,6 +198,26 @@ class Bare(nn.Module):
         self.shift = nn.Parameter(torch.zeros(3))
 
 
+def test_a_copied_or_unpickled_loss_is_found_by_the_callback(tmp_path: Any) -> None:
+    import pickle
+
+    original = Policy(n=4)
+    copies = [copy.deepcopy(original), pickle.loads(pickle.dumps(original))]
+    del original
+    import gc
+
+    gc.collect()
+    for model in copies:
+        seen: list[Any] = []
+
+        class Peek(Callback):
+            def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, *args: Any) -> None:
+                seen.append(pl_module.kl._trainer_accumulation())
+
+        _trainer(tmp_path, max_steps=2, accumulate_grad_batches=2, callbacks=[Peek()]).fit(model)
+        assert seen == [2] * 4
+
+
 def test_a_number_coef_adds_nothing_to_the_state_dict() -> None:
     state = Holder(0.1).state_dict()
     assert list(state) == ["shift"]
