@@ -38,12 +38,12 @@ class Policy(pl.LightningModule):
         super().__init__()
         self.shift = nn.Parameter(torch.zeros(5))
         self.coef_arg = _controller() if coef is None else coef
-        self.kl: Any = None if build_in_configure_model else lk.KLPenaltyLoss("k3+", coef=self.coef_arg)
+        self.kl: Any = None if build_in_configure_model else lk.KLPenaltyLoss("k3+", coef=self.coef_arg, agg="token-sum")
         self.n, self.fail_at = n, fail_at
 
     def configure_model(self) -> None:
         if self.kl is None:
-            self.kl = lk.KLPenaltyLoss("k3+", coef=self.coef_arg)
+            self.kl = lk.KLPenaltyLoss("k3+", coef=self.coef_arg, agg="token-sum")
 
     def train_dataloader(self) -> Any:
         return torch.utils.data.DataLoader([_batch(i) for i in range(self.n)], batch_size=None)
