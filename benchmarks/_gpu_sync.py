@@ -421,7 +421,7 @@ def _capped_call(device: torch.device) -> Callable[[], Any]:
     return lambda: lk.token_logprobs(lk.hf.from_hidden(model, h), y).sum().backward()
 
 
-_IDS = "the id range check reads the ids' min and max on the host (vocab_inputs.py: check_tokens)"
+_IDS = "the id range check reads the ids' min and max on the host (inputs.py: check_tokens)"
 _H2D = "copies a Python number or list to the device (torch.tensor / torch.as_tensor on CUDA waits for the copy)"
 
 #: Every call checked under sync-debug: (name, public names covered, inputs, why it syncs today).

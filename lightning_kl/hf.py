@@ -50,10 +50,9 @@ import torch
 from torch import Tensor
 
 from lightning_kl.ground.checks import check_temperature
-from lightning_kl.ground.sampler import Sampling, remember_sampler, remembered_sampler
-from lightning_kl.kernels.processing import check_processing
+from lightning_kl.ground.sampler import Sampling, check_processing, remember_sampler, remembered_sampler
+from lightning_kl.inputs import check_logit_transform
 from lightning_kl.logprobs import FromHidden, token_logprobs
-from lightning_kl.vocab_inputs import check_logit_transform
 
 __all__ = [
     "RATIO_BAND",

@@ -33,14 +33,7 @@ from lightning_kl.ground.checks import (
     check_matching,
     check_values,
 )
-from lightning_kl.vocab_inputs import (
-    check_chunk_size,
-    check_full_hidden_inputs,
-    check_full_inputs,
-    check_head,
-    check_logit_transform,
-    check_tokens,
-)
+from lightning_kl.inputs import check_chunk_size, check_full_hidden_inputs, check_full_inputs, check_head, check_logit_transform, check_tokens
 from lightning_kl.ground.sampler import Sampling
 from lightning_kl.ground.vocab_shards import VocabShard, is_vocab_parallel
 from lightning_kl.kernels.engine import REFERENCES, Head, Partition, Tensors, entropy_kernel, full_kl_kernel, token_logprobs_kernel

@@ -68,7 +68,7 @@ def chunk_kl(z: torch.Tensor, zr: torch.Tensor, sampling: lk.Sampling) -> torch.
     """The engine's per-chunk maths (kernels/engine.py: ``_log_pair`` then the KL of a chunk): the
     sampler's processing of the tempered scores, both log-softmaxes, and ``sum p~ (log p~ - log q)``
     with ``0 log 0 = 0`` off the kept set."""
-    from lightning_kl.kernels.processing import process_scores
+    from lightning_kl.ground.sampler import process_scores
 
     logp = torch.log_softmax(process_scores(z / sampling.temperature, sampling), dim=-1)
     logq = torch.log_softmax(zr / sampling.temperature, dim=-1)

@@ -20,7 +20,7 @@ from torch import Tensor
 
 import lightning_kl as lk
 from lightning_kl.kernels import engine
-from lightning_kl.kernels.processing import process_scores
+from lightning_kl.ground.sampler import process_scores
 
 N, D, V = 15, 6, 13  # 15 rows: chunk_size=4 cuts them into 4 chunks
 

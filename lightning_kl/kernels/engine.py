@@ -13,7 +13,7 @@ logits, :math:`T` the temperature. Four parts:
   exponentials for the log-sum-exp, then a ``SUM``), ``O(n)`` numbers, from the calling thread, and
   only when the group has more than one rank;
 * an optional **sampler** (:class:`~lightning_kl.Sampling`): the scores :math:`z / T`, then top-k,
-  top-p and min-p as ``generate`` applies them (:func:`~lightning_kl.kernels.processing.process_scores`),
+  top-p and min-p as ``generate`` applies them (:func:`~lightning_kl.ground.sampler.process_scores`),
   removed entries ``-inf``: the processed distribution :math:`\tilde p` on its kept set :math:`K`;
 * a **quantity**, one :class:`torch.autograd.Function` each: the token log-prob, the exact KL to a
   second source, the token entropy.
@@ -57,8 +57,7 @@ from torch.autograd.function import once_differentiable
 
 from lightning_kl.ground.checks import check_values, compute_dtype
 from lightning_kl.ground.chunks import run_chunks
-from lightning_kl.ground.sampler import Sampling
-from lightning_kl.kernels.processing import process_scores
+from lightning_kl.ground.sampler import Sampling, process_scores
 
 __all__ = [
     "CPU_CHUNK_ELEMENTS",
