@@ -36,8 +36,7 @@ import torch
 from torch import Tensor
 
 from lightning_kl.estimators import base_value
-from lightning_kl.functional import check_logprob_values
-from lightning_kl.ground.checks import check_mask, check_matching, compute_dtype
+from lightning_kl.ground.checks import check_logprobs, check_mask, check_matching, compute_dtype
 
 __all__ = [
     "LOG_RATIO_BOUND",
@@ -150,7 +149,7 @@ def check_mismatch_inputs(logprob: Any, rollout_logprob: Any, mask: Any) -> Opti
     """Both log-probs floating tensors ``[..., t]`` of one shape, ``<= 0`` at valid positions; the mask
     (bool) of that shape or None.
 
-    The value check is the loss's (:func:`lightning_kl.functional.check_logprob_values`): a log-prob
+    The value check is the loss's (:func:`lightning_kl.ground.checks.check_logprobs`): a log-prob
     above 0 (logits gathered at the tokens, the usual mistake) is refused, with no host read off the CPU.
 
     Raises:
@@ -160,7 +159,7 @@ def check_mismatch_inputs(logprob: Any, rollout_logprob: Any, mask: Any) -> Opti
     if logprob.ndim == 0:
         raise ValueError("`logprob` and `rollout_logprob` need a token dimension (the last one), got 0-d tensors.")
     mask = check_mask(mask, logprob, "logprob")
-    check_logprob_values({"logprob": logprob, "rollout_logprob": rollout_logprob}, mask)
+    check_logprobs({"logprob": logprob, "rollout_logprob": rollout_logprob}, mask)
     return mask
 
 

@@ -26,7 +26,7 @@ from torch import Tensor
 
 import lightning_kl as lk
 from lightning_kl.kernels import engine
-from lightning_kl.kernels.processing import process_scores
+from lightning_kl.ground.sampler import process_scores
 
 NINF = float("-inf")
 

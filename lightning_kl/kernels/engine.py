@@ -13,7 +13,7 @@ logits, :math:`T` the temperature. Four parts:
   exponentials for the log-sum-exp, then a ``SUM``), ``O(n)`` numbers, from the calling thread, and
   only when the group has more than one rank;
 * an optional **sampler** (:class:`~lightning_kl.Sampling`): the scores :math:`z / T`, then top-k,
-  top-p and min-p as ``generate`` applies them (:func:`~lightning_kl.kernels.processing.process_scores`),
+  top-p and min-p as ``generate`` applies them (:func:`~lightning_kl.ground.sampler.process_scores`),
   removed entries ``-inf``: the processed distribution :math:`\tilde p` on its kept set :math:`K`;
 * a **quantity**: the row quantities, token log-prob and entropy (either or both from one read,
   :class:`_Rows`), or the exact KL to a second source (:class:`_FullKL`).
@@ -71,8 +71,7 @@ from torch.autograd.function import once_differentiable
 
 from lightning_kl.ground.checks import check_values, compute_dtype
 from lightning_kl.ground.chunks import run_chunks
-from lightning_kl.ground.sampler import Sampling
-from lightning_kl.kernels.processing import process_scores
+from lightning_kl.ground.sampler import Sampling, process_scores
 
 __all__ = [
     "CPU_CHUNK_ELEMENTS",
@@ -81,8 +80,10 @@ __all__ = [
     "HIDDEN_CPU_CHUNK_ELEMENTS",
     "HIDDEN_CPU_TILE_ELEMENTS",
     "HIDDEN_MIN_CHUNK_ROWS",
+    "PLAIN",
     "REFERENCES",
     "WHOLE",
+    "Head",
     "Partition",
     "Source",
     "Tensors",
@@ -114,13 +115,35 @@ _NINF = float("-inf")
 _MAX, _SUM = "max", "sum"
 
 
+@dataclass(frozen=True)
+class Head:
+    r"""What a head does after its matmul :math:`a = h W^T + b`: the logits
+    :math:`z = c \tanh(s a / c)` with the logit scale :math:`s` and the soft cap :math:`c` (Gemma 2/3's
+    ``final_logit_softcapping``), or :math:`z = s a` without a cap (Cohere's ``logit_scale``).
+    Checked by the entry points (:class:`~lightning_kl.FromHidden`): ``scale`` finite > 0, ``softcap``
+    None or finite > 0."""
+
+    scale: float = 1.0
+    softcap: Optional[float] = None
+
+    @property
+    def plain(self) -> bool:
+        """Whether the logits are the matmul itself."""
+        return self.scale == 1.0 and self.softcap is None
+
+
+#: The head of a plain ``nn.Linear``: :math:`z = a`.
+PLAIN = Head()
+
+
 class Tensors(NamedTuple):
     """A row source's tensors: logits ``x [..., V]`` (``weight`` None), or hidden states ``x [..., d]``
-    with the head ``weight [V, d]`` and ``bias [V]`` or None."""
+    with the head ``weight [V, d]``, ``bias [V]`` or None, and what the head does after its matmul."""
 
     x: Tensor
     weight: Optional[Tensor] = None
     bias: Optional[Tensor] = None
+    head: Head = PLAIN
 
 
 @dataclass(frozen=True)
@@ -187,15 +210,21 @@ def _weighted(lw: Tensor, value: Tensor, reduce: Callable[[Tensor, str], Tensor]
 
 
 class Source:
-    """Rows of logits read by chunks: a ``[..., V]`` tensor in place, or ``hidden @ weight.T + bias``.
+    r"""Rows of logits read by chunks: a ``[..., V]`` tensor in place, or ``hidden @ weight.T + bias``.
 
     A chunk of logits rows is a slice of the ``[n, V]`` view when the leading dims can be viewed as
     one, else it is gathered (``flat`` None: callers pass index tensors). From hidden states a chunk
-    is always a fresh tensor, made in the head's dtype (as the model's own ``nn.Linear`` makes it).
+    is always a fresh tensor, made in the head's dtype (as the model's own ``nn.Linear`` makes it);
+    a head with a logit scale or a soft cap (:class:`Head`) applies them to that matmul in the compute
+    dtype, at least float32. Its gradient's chain rule needs :math:`dz/da = s\,\mathrm{sech}^2(s a / c)`
+    per logit: when a :class:`HeadGrad` asks (:meth:`keep_slopes`), each read in backward keeps that
+    chunk's factor, computed from the pre-activation (no cancellation near the cap), for the
+    :meth:`slope` that follows it (one chunk's worth per thread, never ``[n, V]``).
     """
 
     def __init__(self, t: Tensors) -> None:
-        self.x, self.weight, self.bias = t
+        self.x, self.weight, self.bias, self.head = t
+        self.slopes: Optional[threading.local] = None
         self.lead = self.x.shape[:-1]
         self.n = self.lead.numel()
         self.vocab = self.x.shape[-1] if self.weight is None else self.weight.shape[0]
@@ -224,10 +253,43 @@ class Source:
     def read(self, idx: slice | Tensor, cols: slice = slice(None)) -> tuple[Tensor, bool]:
         """The logits of rows ``idx`` (columns ``cols`` of a head), and whether that is a fresh tensor (ours to overwrite)."""
         if self.weight is not None:
-            return F.linear(self.rows(idx), self.weight[cols], None if self.bias is None else self.bias[cols]), True
+            a = F.linear(self.rows(idx), self.weight[cols], None if self.bias is None else self.bias[cols])
+            return (a if self.head.plain else self._transform(a, idx, cols)), True
         if self.flat is not None:
             return self.rows(idx), not isinstance(idx, slice)
         return self.x[torch.unravel_index(idx, self.lead)], True
+
+    def _transform(self, a: Tensor, idx: slice | Tensor, cols: slice) -> Tensor:
+        """The head's logits from its matmul ``a`` (fresh), in the compute dtype; keeps ``dz/da`` if asked."""
+        scale, cap = self.head.scale, self.head.softcap
+        u = a.to(torch.promote_types(a.dtype, torch.float32))  # a itself when it has that dtype: ours
+        if scale != 1.0:
+            u.mul_(scale)
+        if cap is None:
+            return u
+        u.div_(cap)  # u = s a / c, as the models divide
+        if self.slopes is not None:
+            # dz/da = s sech^2(u), from u: 1 - tanh^2 would cancel near the cap (cosh -> inf gives 0)
+            self.slopes.last = (idx, cols, torch.cosh(u).reciprocal_().square_().mul_(scale))
+        return u.tanh_().mul_(cap)
+
+    def keep_slopes(self) -> None:
+        """Keep each read's ``dz/da`` for :meth:`slope` (a head with a soft cap, in backward)."""
+        if self.head.softcap is not None and self.slopes is None:
+            self.slopes = threading.local()
+
+    def slope(self, idx: slice | Tensor, cols: slice) -> Tensor:
+        """``dz/da`` of rows ``idx``, columns ``cols`` of a soft-capped head: the one kept by the read of
+        that chunk, else made again from the pre-activation (one more matmul)."""
+        last = getattr(self.slopes, "last", None)
+        if last is not None:
+            self.slopes.last = None  # type: ignore[union-attr]
+            if _same(last[0], idx) and _same(last[1], cols):
+                return last[2]
+        assert self.weight is not None and self.head.softcap is not None
+        a = F.linear(self.rows(idx), self.weight[cols], None if self.bias is None else self.bias[cols])
+        u = a.to(torch.promote_types(a.dtype, torch.float32)).mul_(self.head.scale).div_(self.head.softcap)
+        return torch.cosh(u).reciprocal_().square_().mul_(self.head.scale)
 
     def scores(self, idx: slice | Tensor, dtype: torch.dtype, temperature: float, cols: slice = slice(None)) -> Tensor:
         """``z / T`` of rows ``idx`` in the compute dtype, always a fresh tensor (as ``generate`` divides)."""
@@ -248,6 +310,11 @@ class Source:
         if self.weight is None:
             return max(1, (CPU_CHUNK_ELEMENTS if cpu else CUDA_CHUNK_ELEMENTS) // max(self.vocab, 1))
         return max(HIDDEN_MIN_CHUNK_ROWS, (HIDDEN_CPU_CHUNK_ELEMENTS if cpu else CUDA_CHUNK_ELEMENTS) // max(self.vocab, 1))
+
+
+def _same(a: slice | Tensor, b: slice | Tensor) -> bool:
+    """Whether two row (or column) selections are the same: equal slices, or one index tensor."""
+    return a is b or (isinstance(a, slice) and isinstance(b, slice) and a == b)
 
 
 def _chunks(srcs: tuple[Source, ...], rows: int) -> list[tuple[slice, slice | Tensor]]:
@@ -297,10 +364,12 @@ class LogitsGrad:
 class HeadGrad:
     """The gradients of ``hidden``, ``weight`` and ``bias`` from chunks ``G`` of the logits' gradient.
 
-    ``dh = G W`` row by row (summed over the ranks of a split vocabulary: the hidden states feed every
-    shard); ``dW = G^T h`` and ``db = sum G`` add up over the chunks in the compute dtype (a ``[V, d]``
-    buffer, float32 for half weights, so that each element is rounded once). Invalid rows' hidden
-    states are zeroed for ``dW``: NaN there must stay out.
+    ``G`` is first taken through the head's logit scale and soft cap (:class:`Head`):
+    ``dL/da = G * s`` without a cap, ``G * s sech^2(s a / c)`` with one (the factor from
+    :meth:`Source.slope`, chunk by chunk). Then ``dh = G W`` row by row (summed over the ranks of a split
+    vocabulary: the hidden states feed every shard); ``dW = G^T h`` and ``db = sum G`` add up over the
+    chunks in the compute dtype (a ``[V, d]`` buffer, float32 for half weights, so that each element
+    is rounded once). Invalid rows' hidden states are zeroed for ``dW``: NaN there must stay out.
     """
 
     def __init__(self, src: Source, needs: tuple[bool, ...], dtype: torch.dtype, invalid: Optional[Tensor]) -> None:
@@ -311,14 +380,19 @@ class HeadGrad:
         self.acc_w = torch.zeros(w.shape, dtype=dtype, device=w.device) if needs[1] else None
         self.acc_b = torch.zeros(w.shape[0], dtype=dtype, device=w.device) if needs[2] and src.bias is not None else None
         self.lock = threading.Lock()
+        src.keep_slopes()
 
     def direct(self, pos: slice, dtype: torch.dtype) -> Optional[Tensor]:
         return None
 
     def put(self, pos: slice, idx: slice | Tensor, g: Tensor, cols: slice = slice(None)) -> None:
         """Add a chunk's (or a vocabulary tile's: columns ``cols``) share of the three gradients."""
-        w = self.src.weight
+        w, head = self.src.weight, self.src.head
         assert w is not None
+        if not head.plain:  # dL/da = dL/dz dz/da, a new tensor (the caller's g stays as it was)
+            g = g * head.scale if head.softcap is None else self.src.slope(idx, cols).mul_(g)
+            if head.softcap is not None and self.invalid is not None:
+                g.masked_fill_(self.invalid[pos].unsqueeze(1), 0)  # 0 * NaN: a NaN hidden state's slope
         if self.grad_h is not None:
             self.grad_h[pos] += torch.mm(g.to(w.dtype), w[cols])
         if self.acc_w is not None or self.acc_b is not None:
@@ -450,6 +524,7 @@ class _Rows(torch.autograd.Function):
         x: Tensor,
         weight: Optional[Tensor],
         bias: Optional[Tensor],
+        head: Head,
         kept_from: Optional[Tensor],
         ids: Optional[Tensor],
         ignored: Optional[Tensor],
@@ -460,7 +535,7 @@ class _Rows(torch.autograd.Function):
         want_ent: bool,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         ctx.set_materialize_grads(False)
-        src = Source(Tensors(x, weight, bias))
+        src = Source(Tensors(x, weight, bias, head))
         support = None if kept_from is None else Source(Tensors(kept_from))
         srcs = (src,) if support is None else (src, support)
         n, dtype, device, temp = src.n, compute_dtype(x), x.device, sampling.temperature
@@ -576,6 +651,7 @@ class _Rows(torch.autograd.Function):
         ctx.save_for_backward(x, weight, bias, kept_from)
         ctx.saved = (col, owned, ignored, outside, m, c, spread, threshold)
         ctx.sampling, ctx.part, ctx.rows, ctx.truncated, ctx.want = sampling, part, rows, truncated, (want_lp, want_ent)
+        ctx.head = head
         lead = src.lead
         log_kept, outside = log_kept.view(lead), outside.view(lead)
         ctx.mark_non_differentiable(log_kept, outside)
@@ -592,13 +668,13 @@ class _Rows(torch.autograd.Function):
         col, owned, ignored, outside, m, c, spread, threshold = ctx.saved
         sampling, part, (want_lp, want_ent) = ctx.sampling, ctx.part, ctx.want
         nones = (None,) * 8
-        src = Source(Tensors(x, weight, bias))
+        src = Source(Tensors(x, weight, bias, ctx.head))
         support = None if kept_from is None else Source(Tensors(kept_from))
         dtype, temp = m.dtype, sampling.temperature
         lp_grad, ent_grad = want_lp and g_lp is not None, want_ent and g_ent is not None
         writer = _writer(src, ctx.needs_input_grad[:3], dtype, ignored) if lp_grad or ent_grad else None
         if writer is None:
-            return (None, None, None, *nones)
+            return (None, None, None, None, *nones)
         # the gradient w.r.t. the logits, u_i (alpha + beta e_i) + [i = y] hit: with inv = 1 / (S T),
         # alpha = -(g_lp + g_H A) inv, beta = -g_H inv, hit = g_lp / T (0 on ignored tokens and on tokens
         # outside the kept set: their value is -inf whatever the logits, a constant)
@@ -657,7 +733,7 @@ class _Rows(torch.autograd.Function):
                 del e, u, g
 
         _run(work, (src,), ctx.rows, state=True)
-        return (*_grads(writer, part), *nones)
+        return (*_grads(writer, part), None, *nones)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -736,16 +812,18 @@ class _FullKL(torch.autograd.Function):
         x: Tensor,
         weight: Optional[Tensor],
         bias: Optional[Tensor],
+        head: Head,
         rx: Tensor,
         rweight: Optional[Tensor],
         rbias: Optional[Tensor],
+        rhead: Head,
         invalid: Optional[Tensor],
         sampling: Sampling,
         reference: str,
         part: Partition,
         chunk_size: Optional[int],
     ) -> Tensor:
-        src, ref = Source(Tensors(x, weight, bias)), Source(Tensors(rx, rweight, rbias))
+        src, ref = Source(Tensors(x, weight, bias, head)), Source(Tensors(rx, rweight, rbias, rhead))
         dtype, temp = compute_dtype(x, rx), sampling.temperature
         tiled = not sampling.truncates and weight is not None and rweight is not None  # two heads: tiles of both
         rows = src.chunk_rows(chunk_size, tiled)
@@ -786,6 +864,7 @@ class _FullKL(torch.autograd.Function):
         ctx.save_for_backward(x, weight, bias, rx, rweight, rbias)
         ctx.saved = (invalid, local, kl)
         ctx.sampling, ctx.reference, ctx.part, ctx.rows, ctx.tiled = sampling, reference, part, rows, tiled
+        ctx.heads = head, rhead
         return kl.view(src.lead)
 
     @staticmethod
@@ -794,7 +873,7 @@ class _FullKL(torch.autograd.Function):
         x, weight, bias, rx, rweight, rbias = ctx.saved_tensors
         invalid, glob, kl = ctx.saved
         sampling, reference = ctx.sampling, ctx.reference
-        src, ref = Source(Tensors(x, weight, bias)), Source(Tensors(rx, rweight, rbias))
+        src, ref = Source(Tensors(x, weight, bias, ctx.heads[0])), Source(Tensors(rx, rweight, rbias, ctx.heads[1]))
         dtype = glob.dtype
         g_out = grad_out.reshape(-1).to(dtype)
         if invalid is not None:
@@ -814,7 +893,7 @@ class _FullKL(torch.autograd.Function):
         finite_kl = kl.masked_fill(infinite_rows.squeeze(1), 0).unsqueeze(1)
         mp, cp, mq, cq = (t.unsqueeze(1) for t in glob)
         needs = ctx.needs_input_grad
-        w_z, w_ref = _writer(src, needs[:3], dtype, invalid), _writer(ref, needs[3:6], dtype, invalid)
+        w_z, w_ref = _writer(src, needs[:3], dtype, invalid), _writer(ref, needs[4:7], dtype, invalid)
 
         def work(item: tuple[slice, slice | Tensor], state: Any) -> None:
             pos, idx = item
@@ -833,4 +912,4 @@ class _FullKL(torch.autograd.Function):
 
         if w_z is not None or w_ref is not None:
             _run(work, (src, ref), ctx.rows, state=True)
-        return (*_grads(w_z, ctx.part), *_grads(w_ref, ctx.part), None, None, None, None, None)
+        return (*_grads(w_z, ctx.part), None, *_grads(w_ref, ctx.part), None, None, None, None, None, None)
