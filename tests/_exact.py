@@ -40,11 +40,12 @@ def _linear(h: Tensor, w: Tensor, b: Optional[Tensor], rows: int = 8) -> Tensor:
 def logits_of(x: Any, dtype: torch.dtype) -> Tensor:
     """Logits ``[n, V]`` from logits or an ``lk.FromHidden``, as a model makes them in ``dtype``; float64
     leaves give those values with float64 gradients."""
-    if isinstance(x, lk.FromHidden):
+    if isinstance(x, lk.FromHidden):  # plain heads (no logit scale, no soft cap: tests/test_heads.py has those)
+        hwb = (x.hidden, x.weight, x.bias)
         if x.hidden.dtype != torch.float64:
-            return _linear(*x)
-        made = _linear(*(None if t is None else t.detach().to(dtype) for t in x))
-        exact = F.linear(*x)
+            return _linear(*hwb)
+        made = _linear(*(None if t is None else t.detach().to(dtype) for t in hwb))
+        exact = F.linear(*hwb)
         return exact + (made.double() - exact).detach()
     return x
 
