@@ -653,13 +653,9 @@ class _Rows(torch.autograd.Function):
         ctx.sampling, ctx.part, ctx.rows, ctx.truncated, ctx.want = sampling, part, rows, truncated, (want_lp, want_ent)
         ctx.head = head
         lead = src.lead
-        log_kept, outside = log_kept.view(lead), outside.view(lead)
-        ctx.mark_non_differentiable(log_kept, outside)
-        if not want_lp:
-            ctx.mark_non_differentiable(out)
-        if not want_ent:
-            ctx.mark_non_differentiable(ent)
-        return out.view(lead), ent.view(lead), log_kept, outside
+        out, ent, log_kept, outside = out.view(lead), ent.view(lead), log_kept.view(lead), outside.view(lead)
+        ctx.mark_non_differentiable(*(t for t, wanted in ((out, want_lp), (ent, want_ent), (log_kept, False), (outside, False)) if not wanted))
+        return out, ent, log_kept, outside
 
     @staticmethod
     @once_differentiable
