@@ -37,29 +37,12 @@ from lightning_kl.ground.checks import (
 from lightning_kl.inputs import check_chunk_size, check_full_hidden_inputs, check_full_inputs, check_head, check_logit_transform, check_tokens
 from lightning_kl.ground.sampler import Sampling
 from lightning_kl.ground.vocab_shards import VocabShard, is_vocab_parallel
-from lightning_kl.kernels.engine import (
-    REFERENCES,
-    Head,
-    Partition,
-    Tensors,
-    entropy_kernel,
-    full_kl_kernel,
-    token_logprobs_entropy_kernel,
-    token_logprobs_kernel,
-)
+from lightning_kl.kernels.engine import REFERENCES, Head, Partition, Tensors, entropy_kernel, full_kl_kernel, token_logprobs_kernel
+from lightning_kl.kernels.engine import token_logprobs_entropy_kernel
 from lightning_kl.kernels.full import head_source, logits_source, same_partition
 
-__all__ = [
-    "OUTSIDE_MODES",
-    "REFERENCES",
-    "FromHidden",
-    "full_kl",
-    "full_kl_from_hidden",
-    "token_entropy",
-    "token_logprobs",
-    "token_logprobs_and_entropy",
-    "token_logprobs_from_hidden",
-]
+__all__ = ["OUTSIDE_MODES", "REFERENCES", "FromHidden", "full_kl", "full_kl_from_hidden", "token_entropy", "token_logprobs"]
+__all__ += ["token_logprobs_and_entropy", "token_logprobs_from_hidden"]
 
 #: What to do with a token outside the sampler's kept set: ``"raise"`` (the sampler and the scorer
 #: disagree) or ``"-inf"`` (its processed log-prob, e.g. a reference's own processed distribution).
@@ -349,34 +332,17 @@ def token_logprobs_and_entropy(
     outside: str = "raise",
     chunk_size: Optional[int] = None,
 ) -> tuple[Tensor, Tensor]:
-    r""":func:`token_logprobs` and :func:`token_entropy` from one read of the vocabulary.
+    r""":func:`token_logprobs` and :func:`token_entropy` from one read of the vocabulary per chunk.
 
-    .. math::
-        \log \tilde p_y = e_y - c, \qquad H = -\sum_{i \in K} \tilde p_i \log \tilde p_i = c - \sum_{i \in K} \tilde p_i e_i,
-        \qquad e_i = \frac{z_i - \max_j z_j}{T}, \quad c = \log \sum_{j \in K} e^{e_j}
-
-    Each chunk of logits is read (or made from hidden states) once in forward and once in backward,
-    for both quantities: one backward pass writes the sum of both gradients,
+    One forward and one backward for both: the backward writes the sum of both gradients,
     :math:`(g_{\log p}([i = y] - \tilde p_i) - g_H \tilde p_i (\log \tilde p_i + H)) / T`, through one
-    gradient writer (from a head: one float32 ``[V, d]`` accumulator, not two). The values equal
-    those of the two calls; the entropy is the one of the distribution the log-probs are taken under
-    (the sampler's processed distribution with a truncating ``sampling``).
-
-    Args:
-        x: ``[..., V]`` logits, a vocabulary shard (DTensor ``Shard(-1)`` or :class:`~lightning_kl.VocabShard`),
-            or :class:`FromHidden`.
-        tokens: ``[...]`` integer ids in ``[0, V)`` (global ids for a shard).
-        sampling: the sampler (None: ``softmax(z)``); truncation is refused on a split vocabulary.
-        ignore_index: an id whose positions get 0 in both outputs and exactly zero gradient (``-100``).
-        outside: a token outside the kept set: ``"raise"`` (default) or ``"-inf"`` (its log-prob; the
-            entropy is still the row's).
-        chunk_size: rows per chunk (as :func:`token_logprobs`).
+    writer (from a head: one float32 ``[V, d]`` accumulator, not two). The values equal the two calls';
+    the entropy is that of the distribution the log-probs are taken under (the sampler's processed one).
+    ``x``, ``tokens``, ``sampling``, ``ignore_index`` (0 in both outputs, zero gradient), ``outside``
+    (the log-prob; the entropy is the row's) and ``chunk_size`` as :func:`token_logprobs`, whose errors it raises.
 
     Returns:
         ``(logprobs, entropy)``, each ``[...]``, float32 (float64 for float64 inputs).
-
-    Raises:
-        TypeError, ValueError: as :func:`token_logprobs`.
 
     Example:
         >>> logits = torch.tensor([[0.0, 0.0], [2.0, 1.0]], requires_grad=True)
