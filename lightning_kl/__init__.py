@@ -22,7 +22,7 @@ from lightning_kl.ground.vocab_shards import VocabShard
 from lightning_kl.functional import AggMode, aggregate, kl_penalty
 from lightning_kl.ground.checks import warn_user
 from lightning_kl.high_entropy import high_entropy_mask
-from lightning_kl.logprobs import FromHidden, full_kl, token_entropy, token_logprobs
+from lightning_kl.logprobs import FromHidden, full_kl, token_entropy, token_logprobs, token_logprobs_and_entropy
 from lightning_kl.loss import KLPenaltyLoss
 from lightning_kl.metric import KLMetric
 from lightning_kl.mismatch import mismatch_metrics
@@ -65,6 +65,7 @@ __all__ = [
     "step_totals",
     "token_entropy",
     "token_logprobs",
+    "token_logprobs_and_entropy",
 ]
 
 #: Names that left ``__all__``, reachable as ``lk.NAME`` for one more minor version with a

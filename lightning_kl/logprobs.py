@@ -1,4 +1,5 @@
-r"""Functions over the whole vocabulary: token log-probs, the exact KL, the token entropy.
+r"""Functions over the whole vocabulary: token log-probs, the exact KL, the token entropy (and the
+log-probs with the entropy, in one pass).
 
 Shapes: ``...`` any leading dims (``[b, t]`` for a batch of sequences), ``V`` the vocabulary, ``d``
 the hidden size. Each function takes its model's output as ``x``, in any of four forms:
@@ -37,9 +38,11 @@ from lightning_kl.inputs import check_chunk_size, check_full_hidden_inputs, chec
 from lightning_kl.ground.sampler import Sampling
 from lightning_kl.ground.vocab_shards import VocabShard, is_vocab_parallel
 from lightning_kl.kernels.engine import REFERENCES, Head, Partition, Tensors, entropy_kernel, full_kl_kernel, token_logprobs_kernel
+from lightning_kl.kernels.engine import token_logprobs_entropy_kernel
 from lightning_kl.kernels.full import head_source, logits_source, same_partition
 
-__all__ = ["OUTSIDE_MODES", "REFERENCES", "FromHidden", "full_kl", "full_kl_from_hidden", "token_entropy", "token_logprobs", "token_logprobs_from_hidden"]
+__all__ = ["OUTSIDE_MODES", "REFERENCES", "FromHidden", "full_kl", "full_kl_from_hidden", "token_entropy", "token_logprobs"]
+__all__ += ["token_logprobs_and_entropy", "token_logprobs_from_hidden"]
 
 #: What to do with a token outside the sampler's kept set: ``"raise"`` (the sampler and the scorer
 #: disagree) or ``"-inf"`` (its processed log-prob, e.g. a reference's own processed distribution).
@@ -243,7 +246,7 @@ def token_logprobs(
         >>> logits = torch.tensor([[0.0, 0.0], [2.0, 1.0]], requires_grad=True)
         >>> lp = token_logprobs(logits, torch.tensor([1, -100]), ignore_index=-100)
         >>> lp  # log(1/2); the ignored token gives 0
-        tensor([-0.6931,  0.0000], grad_fn=<_LogProbBackward>)
+        tensor([-0.6931,  0.0000], grad_fn=<_RowsBackward>)
         >>> lp.sum().backward(); logits.grad[0]  # one-hot minus softmax
         tensor([-0.5000,  0.5000])
         >>> z = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
@@ -318,6 +321,47 @@ def token_entropy(
     check_chunk_size(chunk_size)
     mask = check_mask(mask, lead, "hidden" if src.weight is not None else "logits", without="the last dimension")
     return entropy_kernel(src, None if mask is None else ~mask.reshape(-1), proc, part, chunk_size)
+
+
+def token_logprobs_and_entropy(
+    x: Tensor | VocabShard | FromHidden,
+    tokens: Tensor,
+    *,
+    sampling: Optional[Sampling] = None,
+    ignore_index: Optional[int] = None,
+    outside: str = "raise",
+    chunk_size: Optional[int] = None,
+) -> tuple[Tensor, Tensor]:
+    r""":func:`token_logprobs` and :func:`token_entropy` from one read of the vocabulary per chunk.
+
+    One forward and one backward for both: the backward writes the sum of both gradients,
+    :math:`(g_{\log p}([i = y] - \tilde p_i) - g_H \tilde p_i (\log \tilde p_i + H)) / T`, through one
+    writer (from a head: one float32 ``[V, d]`` accumulator, not two). The values equal the two calls';
+    the entropy is that of the distribution the log-probs are taken under (the sampler's processed one).
+    ``x``, ``tokens``, ``sampling``, ``ignore_index`` (0 in both outputs, zero gradient), ``outside``
+    (the log-prob; the entropy is the row's) and ``chunk_size`` as :func:`token_logprobs`, whose errors it raises.
+
+    Returns:
+        ``(logprobs, entropy)``, each ``[...]``, float32 (float64 for float64 inputs).
+
+    Example:
+        >>> logits = torch.tensor([[0.0, 0.0], [2.0, 1.0]], requires_grad=True)
+        >>> lp, ent = token_logprobs_and_entropy(logits, torch.tensor([1, -100]), ignore_index=-100)
+        >>> lp, ent  # log(1/2) and log 2; the ignored token gives 0 and 0
+        (tensor([-0.6931,  0.0000], grad_fn=<_RowsBackward>), tensor([0.6931, 0.0000], grad_fn=<_RowsBackward>))
+        >>> (lp + ent).sum().backward(); logits.grad[0]  # one-hot minus softmax; H is flat at the uniform
+        tensor([-0.5000,  0.5000])
+    """
+    proc = _sampling(sampling, {}, "token_logprobs_and_entropy")
+    src, part, lead = _source(x, "x" if isinstance(x, FromHidden) else "logits", proc)
+    outside = _check_outside(outside)
+    check_chunk_size(chunk_size)
+    vocab = None if part.split else (src.x.shape[-1] if src.weight is None else src.weight.shape[0])
+    ids, ignored = check_tokens(tokens, lead.shape[:-1], vocab, lead.device, "hidden" if src.weight is not None else "logits", ignore_index)
+    lp, ent, out = token_logprobs_entropy_kernel(src, ids, ignored, proc, part, chunk_size)
+    if proc.truncates and outside == "raise":
+        _report_outside(out, tokens, proc)
+    return lp, ent
 
 
 def full_kl(
