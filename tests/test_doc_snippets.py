@@ -331,6 +331,8 @@ def run_vocabulary_calls(code: str, monkeypatch: Any) -> None:
     out = run_fragment(code, **{k: v for k, v in ns.items() if k != "self"}, model=model)
     capped = lk.token_logprobs(lk.FromHidden(ns["hidden"], ns["lm_head"].weight, softcap=30.0), ns["tokens"])
     assert_close(out["logprob"], capped, rtol=0, atol=0)  # lk.hf.from_hidden read the cap from the config
+    # the one-pass call's entropy is the separate call's, of the same capped head
+    assert_close(out["entropy"], lk.token_entropy(lk.FromHidden(ns["hidden"], ns["lm_head"].weight, softcap=30.0)), rtol=0, atol=0)
 
 
 def run_hf_from_hidden(code: str, monkeypatch: Any) -> None:
@@ -372,8 +374,6 @@ def run_entropy_module(code: str, monkeypatch: Any) -> None:
 
 
 def run_entropy_one_pass(code: str, monkeypatch: Any) -> None:
-    if not hasattr(lk, "token_logprobs_and_entropy"):  # the engine issue adds it; until then the page is ahead
-        pytest.xfail("docs/entropy.md calls lk.token_logprobs_and_entropy, which this version does not have yet")
     out = run_fragment(code, sampling=lk.Sampling(temperature=0.9), policy_loss=lambda logprob, *rest: lk.aggregate(-logprob),
                        self=_fragment_self(entropy=lk.EntropyBonus(coef=0.01)))
     assert torch.isfinite(out["loss"])
