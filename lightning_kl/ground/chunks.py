@@ -5,9 +5,9 @@ r"""The one chunk runner: every chunked kernel hands its chunks to :func:`run_ch
 shared list. Why not torch's own intra-op threads: a call is hundreds of short ops (a dozen per
 chunk), and an OpenMP region per op waits at its end for its slowest thread. libgomp's threads spin
 at that barrier by default; on cores shared with other busy processes (a shared machine, one DDP
-process per core) the spinning threads take the core from the thread that has work, and measured
-with ``benchmarks/compare.py`` a token log-prob call at ``[1024, 151936]`` went from 0.6 s to 11-17 s
-with one busy process per core. The pool's threads wait for nobody but the end of the call: a worker
+process per core) the spinning threads take the core from the thread that has work: a token log-prob
+call at ``[1024, 151936]`` took 11-17 s without the pool against 0.6 s with it, at a load of 1.5-3
+(``benchmarks/compare.py`` measures both ways against a git ref; ``docs/performance.md``). The pool's threads wait for nobody but the end of the call: a worker
 the OS preempts delays only the chunk it holds, the others keep taking chunks. One barrier per call
 instead of one per op.
 
