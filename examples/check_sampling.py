@@ -13,8 +13,9 @@ r"""The sampler against the scorer in the Hugging Face example: full-vocabulary 
 ``lk.Sampling.generate_kwargs()``). Every rollout logs the importance
 ratio of the scorer's log-prob against the sampler's (``generate``'s processed scores), at every
 response token: ``sampling/ratio_full_*`` for the full-vocabulary ``log_softmax(z / T)``,
-``sampling/ratio_processed_*`` for :func:`lightning_kl.processed_logprobs` (``_mean``: the mean ratio,
-``_out``: the share of tokens outside [0.9, 1.1]), and three exact KLs per response
+``sampling/ratio_processed_*`` for :func:`lightning_kl.token_logprobs` with ``sampling=`` (``_mean``: the
+mean ratio, ``_out``: the share of tokens outside ``lk.hf.RATIO_BAND``, [0.99, 1.01], the band of
+``lk.hf``'s own check), and three exact KLs per response
 (``sampling/kl_full_seq``: the full softmax against the reference's; ``sampling/kl_processed_seq``:
 the processed policy against the reference's softmax; ``sampling/kl_policy_kept_seq``: against the
 reference renormalized on the policy's kept set). The last two columns: the loss estimator's value

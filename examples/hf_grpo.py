@@ -164,7 +164,7 @@ class ArithmeticDataModule(pl.LightningDataModule):
         check_sampler: compare the policy's log-probs with ``generate``'s processed scores at every
             rollout (``lk.hf.response_logprobs(..., sampler_scores=)``): a warning, once, if they
             disagree beyond float noise (the full-vocabulary contrast run warns, as it should).
-        reference: the reference of the processed policy's KL (:data:`lightning_kl.REFERENCES`):
+        reference: the reference of the processed policy's KL (``"unprocessed"`` or ``"policy_kept"``):
             ``"unprocessed"`` (its softmax at the temperature) or ``"policy_kept"`` (renormalized on the
             policy's kept set: blind to which tokens the policy keeps, see ``docs/sampling.md``).
     """
@@ -285,7 +285,7 @@ class ArithmeticDataModule(pl.LightningDataModule):
         # the reference's softmax, or the reference on the policy's kept set
         T = self.sampling.temperature
         ref_kw = (dict(self.scoring, kept_from=logits) if h.score_processed and h.reference == "policy_kept"
-                  else {"temperature": T})
+                  else {"sampling": lk.Sampling(temperature=T)})
         ref_logprobs, ref_logits = hf.reference_logprobs(policy, seq, am, p, return_logits=True, **ref_kw)
         if module.kl.spec.base == "full":  # the loss's `full` estimator: the reference's distributions
             batch["ref_logits"] = ref_logits.detach()
@@ -535,10 +535,11 @@ class HFGRPO(pl.LightningModule):
         self.log("train/kl", lk.aggregate(batch["true_kl"], mask, "token-mean"), prog_bar=True, batch_size=n)
         self.log("train/kl_seq", batch["true_kl"].sum(-1).mean(), batch_size=n)
         if "ratio_full" in batch:  # the sampler against the scorer: full softmax vs processed
+            lo, hi = hf.RATIO_BAND  # the band of lk.hf's own check (sampler_scores=)
             for name in ("full", "processed"):
                 r = batch[f"ratio_{name}"][mask]
                 self.log(f"sampling/ratio_{name}_mean", r.mean(), batch_size=n)
-                self.log(f"sampling/ratio_{name}_out", ((r < 0.9) | (r > 1.1)).float().mean(), batch_size=n)
+                self.log(f"sampling/ratio_{name}_out", ((r < lo) | (r > hi)).float().mean(), batch_size=n)
             for name in ("full", "processed", "policy_kept"):
                 self.log(f"sampling/kl_{name}_seq", batch[f"kl_{name}"].sum(-1).mean(), batch_size=n)
         self.log("train/kl_est", self.kl.metric, batch_size=n)

@@ -360,7 +360,7 @@ class ToyRLHF(pl.LightningModule):
         pretrain_steps, pretrain_batch_size, pretrain_lr, pretrain_seed: stage 1, the reference.
         cache_dir: where the pretrained reference is cached, one file per configuration.
         lr: the RL learning rate (AdamW).
-        kl_estimator: the KL estimator of the loss (one of ``lightning_kl.ESTIMATORS``), or None
+        kl_estimator: the KL estimator of the loss (one of ``lightning_kl.EstimatorName``), or None
             for no KL in the loss (KL in the reward only, through ``KLRewardCallback``).
         kl_coef, kl_agg: the loss coefficient and aggregation of :class:`lightning_kl.KLPenaltyLoss`;
             the coefficient is a number or a controller (``class_path: lightning_kl.TargetKLController``

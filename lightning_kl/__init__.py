@@ -14,11 +14,14 @@ from lightning_kl.accumulation import step_totals
 from lightning_kl.callback import KLRewardCallback
 from lightning_kl.controllers import AdaptiveKLController, FixedKLController, KLController, KLSchedule, TargetKLController
 from lightning_kl.correction import RolloutCorrection
+from lightning_kl.entropy import EntropyBonus
+from lightning_kl.entropy_controller import TargetEntropyController
 from lightning_kl.estimators import EstimatorName
 from lightning_kl import hf  # imports neither transformers nor peft
 from lightning_kl.ground.sampler import Sampling
 from lightning_kl.ground.vocab_shards import VocabShard
 from lightning_kl.functional import AggMode, aggregate, kl_penalty
+from lightning_kl.high_entropy import high_entropy_mask
 from lightning_kl.logprobs import FromHidden, full_kl, token_entropy, token_logprobs
 from lightning_kl.loss import KLPenaltyLoss
 from lightning_kl.metric import KLMetric
@@ -34,6 +37,7 @@ __version__ = "0.2.0"
 __all__ = [
     "AdaptiveKLController",
     "AggMode",
+    "EntropyBonus",
     "EstimatorName",
     "FixedKLController",
     "FromHidden",
@@ -49,10 +53,12 @@ __all__ = [
     "ReferenceRefresh",
     "RolloutCorrection",
     "VocabShard",
+    "TargetEntropyController",
     "TargetKLController",
     "Sampling",
     "aggregate",
     "full_kl",
+    "high_entropy_mask",
     "hf",
     "kl_penalty",
     "mismatch_metrics",

@@ -145,8 +145,9 @@ class RolloutCorrection(nn.Module):
     ``.old_logprob``. Into the loss (``docs/mismatch.md``)::
 
         fix = self.correction(old_logprob, batch["rollout_logprobs"], mask)     # in training_step
+        w = 1.0 if fix.weights is None else fix.weights   # None: no weights asked for (rejection only)
         ratio = torch.exp(logprob - fix.old_logprob)
-        pg = lk.aggregate(-fix.weights * ratio * advantages[:, None], fix.mask, "token-mean")
+        pg = lk.aggregate(-w * ratio * advantages[:, None], fix.mask, "token-mean")
 
     Args:
         weights: one of :data:`lightning_kl.mismatch.WEIGHT_LEVELS`, or None (no weights).

@@ -14,7 +14,11 @@ What every user of a ``transformers`` causal LM needs between ``model.generate``
   processed scores), the check behind ``response_logprobs(..., sampler_scores=out.scores)``.
 
 One :class:`lightning_kl.Sampling` configures both sides: ``model.generate(**sampling.generate_kwargs())``
-draws from exactly the distribution that ``response_logprobs(..., sampling=sampling)`` scores.
+draws from exactly the distribution that ``response_logprobs(..., sampling=sampling)`` scores. The
+model remembers the sampler it was last scored with: a later :func:`response_logprobs` of the same
+model given no sampler at all (the training step's scorer that forgot ``sampling=``) gives a
+:class:`SamplerMismatchWarning`, because its PPO ratio and its KL estimates would then be those of
+another distribution than the rollout's.
 
 Notation: ``b`` sequences, ``p`` prompt length (left-padded, the same for every row), ``t`` response
 length (``max_new_tokens`` or less), ``V`` vocabulary size. ``sequences = generate(...)`` is
@@ -25,8 +29,9 @@ have, so the core package does not depend on them (``pip install "lightning-kl[h
 
 Example (a user's ``training_step``; ``batch`` from a rollout with ``model.generate``)::
 
-    logprobs = lk.hf.response_logprobs(model, batch["sequences"], batch["attention_mask"], p)
-    ref_logprobs = lk.hf.reference_logprobs(model, batch["sequences"], batch["attention_mask"], p)
+    sampling = self.sampling   # the lk.Sampling the rollouts were drawn with (generate_kwargs())
+    logprobs = lk.hf.response_logprobs(model, batch["sequences"], batch["attention_mask"], p, sampling=sampling)
+    ref_logprobs = lk.hf.reference_logprobs(model, batch["sequences"], batch["attention_mask"], p, sampling=sampling)
     loss = policy_loss + self.kl(logprobs, ref_logprobs, batch["mask"])
 """
 
@@ -42,12 +47,12 @@ import torch
 from torch import Tensor
 
 from lightning_kl.ground.checks import check_temperature
-from lightning_kl.ground.sampler import Sampling
+from lightning_kl.ground.sampler import Sampling, remember_sampler, remembered_sampler
 from lightning_kl.kernels.processing import check_processing
-from lightning_kl.ground.sampler import Sampling
 from lightning_kl.logprobs import token_logprobs
 
 __all__ = [
+    "RATIO_BAND",
     "SamplerAgreement",
     "SamplerMismatchWarning",
     "adapters_disabled",
@@ -59,8 +64,10 @@ __all__ = [
     "sequence_inputs",
 ]
 
-#: the band of the importance ratio (scorer over sampler) that float noise stays in
+#: the band of the importance ratio (scorer over sampler) that float noise stays in: what
+#: :func:`sampler_agreement` counts outside, and what ``examples/hf_grpo.py`` logs
 RATIO_BAND = (0.99, 1.01)
+_LEGACY = ("temperature", "top_k", "top_p", "min_p")
 
 
 def _check_prompt_length(prompt_length: int, seq_len: int, what: str) -> None:
@@ -193,7 +200,7 @@ def response_logprobs(
     sequences: Tensor,
     attention_mask: Tensor,
     prompt_length: int,
-    temperature: float = 1.0,
+    temperature: Optional[float] = None,
     return_logits: bool = False,
     *,
     sampling: Optional[Sampling] = None,
@@ -227,16 +234,17 @@ def response_logprobs(
         sequences: prompt block then response block, as ``generate`` returns them.
         attention_mask: from :func:`sequence_inputs` (1 on the prompt's real tokens and the valid response).
         prompt_length: ``p``.
-        temperature: the sampling temperature (``generate(temperature=...)``): log-probs of
-            ``softmax(logits / T)``, the distribution the tokens were drawn from.
+        temperature: deprecated: ``sampling=lk.Sampling(temperature=T)`` (a ``DeprecationWarning``).
         return_logits: also return the response logits (for the ``full`` estimator or the exact KL).
         sampling: the sampler (:class:`lightning_kl.Sampling`), the one whose ``generate_kwargs()``
-            drew the tokens: its temperature and truncation, in place of ``temperature``, ``top_k``,
-            ``top_p`` and ``min_p`` (give one or the other).
-        top_k, top_p, min_p: the sampler's truncation, as passed to ``generate`` (None: off): the
-            log-probs of the truncated, renormalized distribution the tokens were drawn from
-            (:func:`lightning_kl.token_logprobs` with ``sampling=``). Response positions outside
-            ``attention_mask`` (after EOS: not sampled) then get 0.
+            drew the tokens: the log-probs of its tempered, truncated, renormalized distribution
+            (:func:`lightning_kl.token_logprobs` with ``sampling=``); None: the plain softmax. With a
+            truncating sampler, response positions outside ``attention_mask`` (after EOS: not
+            sampled) get 0. The model remembers it: a later call on the same model with no sampler
+            at all warns (:class:`SamplerMismatchWarning`, once per model) when the remembered one
+            is not the plain softmax: give every scorer of a rollout the rollout's ``sampling=``.
+        top_k, top_p, min_p: deprecated: ``sampling=lk.Sampling(top_k=..., top_p=..., min_p=...)``
+            (a ``DeprecationWarning``).
         kept_from: optional ``[b, t, V]`` response logits of the policy: the kept set is the
             policy's (a reference renormalized on the policy's kept set).
         outside: a sampled token outside the kept set: ``"raise"`` or ``"-inf"``
@@ -263,17 +271,73 @@ def response_logprobs(
             f"and {tuple(attention_mask.shape)}.{hint}"
         )
     _check_prompt_length(prompt_length, sequences.shape[1], "sequences")
+    sampling = _resolve_sampling(sampling, {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p},
+                                 "response_logprobs")
+    return _score(model, sequences, attention_mask, prompt_length, sampling, return_logits, kept_from, outside,
+                  sampler_scores, remember=True)
+
+
+def _resolve_sampling(sampling: Optional[Sampling], separate: dict[str, Any], call: str) -> Optional[Sampling]:
+    """``sampling=``, or (deprecated, with a warning naming it) the sampler of the separate keywords; None: none given."""
+    legacy = {k: v for k, v in separate.items() if v is not None}
     if sampling is not None:
         if not isinstance(sampling, Sampling):
             raise TypeError(f"`sampling` must be a lightning_kl.Sampling, got {type(sampling).__name__}.")
-        separate = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p}
-        given = {k: v for k, v in separate.items() if v is not None and not (k == "temperature" and v == 1.0)}
+        given = {k: v for k, v in legacy.items() if not (k == "temperature" and v == 1.0)}
         if given:
             raise ValueError(
                 f"give the sampler as `sampling=` or as the separate keywords, not both: got sampling={sampling} "
                 f"and {given}."
             )
-        temperature, top_k, top_p, min_p = sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p
+        return sampling
+    if not legacy:
+        return None
+    check_temperature(legacy.get("temperature", 1.0))  # a bad value fails as before, naming the value
+    check_processing(1.0, legacy.get("top_k"), legacy.get("top_p"), legacy.get("min_p"))
+    warnings.warn(
+        f"lk.hf.{call}({', '.join(f'{k}=' for k in legacy)}...) is deprecated: pass "
+        f"sampling=lk.Sampling({', '.join(f'{k}={v!r}' for k, v in legacy.items())}).",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return Sampling(**legacy)
+
+
+_warned_unsampled: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def _remember_sampler(model: Any, sampling: Optional[Sampling]) -> None:
+    # the model remembers its sampler (here, and in Sampling.generate_kwargs(model)); a call given none warns
+    if sampling is not None:
+        remember_sampler(model, sampling)
+        return
+    remembered = remembered_sampler(model)
+    if remembered is None or remembered == Sampling():
+        return
+    try:
+        if model in _warned_unsampled:
+            return
+        _warned_unsampled.add(model)
+    except TypeError:  # a model object that takes no weak reference: nothing is remembered
+        return
+    warnings.warn(
+        f"lk.hf.response_logprobs was given no sampler, so it scores the plain softmax, but this model was "
+        f"sampled or scored before with sampling={remembered} (the rollout's sampler, presumably): the PPO ratio and the "
+        f"KL estimates would compare two distributions (the ratio is not 1 on-policy) and nothing else would "
+        f"say so. Give every scorer of a rollout the rollout's sampling= (sampling=lk.Sampling() to mean the "
+        f"plain softmax). Warned once for this model.",
+        SamplerMismatchWarning,
+        stacklevel=4,
+    )
+
+
+def _score(model: Any, sequences: Tensor, attention_mask: Tensor, prompt_length: int, sampling: Optional[Sampling],
+           return_logits: bool, kept_from: Optional[Tensor], outside: str, sampler_scores: Any, remember: bool) -> Any:
+    if remember:
+        _remember_sampler(model, sampling)
+    if sampling is None:
+        sampling = Sampling()
+    temperature, top_k, top_p, min_p = sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p
     temperature = check_temperature(temperature)  # before the forward pass, not after it
     processed = check_processing(temperature, top_k, top_p, min_p).truncates or kept_from is not None
     t = sequences.shape[1] - prompt_length
@@ -286,7 +350,6 @@ def response_logprobs(
     # logits_to_keep=t+1 keeps the last t+1 positions; a model that ignores it returns all of them
     logits = response_logits(logits, logits.shape[1] - t)
     # chunked and exact, with no float32 copy of the logits (bf16 models): lk.token_logprobs
-    sampling = Sampling(temperature, top_k, top_p, min_p)
     if processed:
         # positions after EOS were not sampled: the sampler's kept set says nothing about them
         tokens = sequences[:, prompt_length:].masked_fill(attention_mask[:, prompt_length:] == 0, -100)
@@ -401,11 +464,11 @@ def _check_against_sampler(model: Any, logprobs: Tensor, scores: Any, responses:
     warnings.warn(
         f"lk.hf.response_logprobs: the scored log-probs are not those of the distribution generate drew from "
         f"(sampler_scores=): mean ratio {ratio}, {agreement.share_outside:.1%} of {agreement.tokens} response "
-        f"tokens outside [0.99, 1.01]. Sample with model.generate(**sampling.generate_kwargs()) and score with "
+        f"tokens outside [{RATIO_BAND[0]}, {RATIO_BAND[1]}]. Sample with model.generate(**sampling.generate_kwargs()) and score with "
         f"the same sampling= (a model's generation_config can add top_k=50, a repetition penalty, another "
         f"temperature). Warned once for this model.",
         SamplerMismatchWarning,
-        stacklevel=3,
+        stacklevel=4,
     )
 
 
@@ -445,22 +508,50 @@ def reference_logprobs(
     sequences: Tensor,
     attention_mask: Tensor,
     prompt_length: int,
-    temperature: float = 1.0,
+    temperature: Optional[float] = None,
     return_logits: bool = False,
-    **processing: Any,
+    *,
+    sampling: Optional[Sampling] = None,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    min_p: Optional[float] = None,
+    kept_from: Optional[Tensor] = None,
+    outside: str = "raise",
+    **unexpected: Any,
 ) -> Union[Tensor, tuple[Tensor, Tensor]]:
-    r""":func:`response_logprobs` of ``model`` with its adapters off, without gradient: the reference.
+    r"""The reference's log-probs of the response: ``model`` with its adapters off, without gradient.
 
     With LoRA adapters trained on a frozen base model, the reference is the base model, and this is
     its log-probs at no extra parameter memory (TRL does the same). The activations of this forward
-    pass are not kept (``torch.no_grad``). Arguments (the processing keywords too), shapes and errors as :func:`response_logprobs`;
-    :func:`adapters_disabled` raises ``TypeError`` for a model without adapters. ``sampler_scores`` is
-    refused: the reference is not the sampler (check the policy's log-probs).
+    pass are not kept (``torch.no_grad``). Arguments, shapes and errors as :func:`response_logprobs`;
+    :func:`adapters_disabled` raises ``TypeError`` for a model without adapters.
+
+    Give it the rollout's ``sampling=``, as to :func:`response_logprobs`. The reference did not sample,
+    so only the sampler's temperature applies to it: the log-probs of the reference's softmax at that
+    temperature (what verl and TRL score, and ``reference="unprocessed"`` of
+    :func:`lightning_kl.full_kl`). A truncating sampler's kept set is the *policy's*: the reference's
+    own top-k or top-p set would give a sampled token that the reference's processing removes a
+    log-prob of :math:`-\infty`, an infinite KL term. With ``kept_from=`` (the policy's response
+    logits) the reference is renormalized on the policy's kept set instead (``reference="policy_kept"``).
+
+    ``sampler_scores`` is refused: the reference is not the sampler (check the policy's log-probs).
+
+    Example (``logprobs, logits = lk.hf.response_logprobs(policy, seq, am, p, sampling=s, return_logits=True)``)::
+
+        ref = lk.hf.reference_logprobs(policy, seq, am, p, sampling=s)                     # softmax(z_ref / T)
+        ref = lk.hf.reference_logprobs(policy, seq, am, p, sampling=s, kept_from=logits)   # on the policy's kept set
     """
-    if "sampler_scores" in processing:
+    if "sampler_scores" in unexpected:
         raise TypeError(
             "`sampler_scores` checks the sampling policy's log-probs: give it to lk.hf.response_logprobs, "
             "not to reference_logprobs (the reference did not draw the tokens)."
         )
+    if unexpected:
+        raise TypeError(f"reference_logprobs() got unexpected keyword argument(s) {sorted(unexpected)}.")
+    sampling = _resolve_sampling(sampling, {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p},
+                                 "reference_logprobs")
+    if sampling is not None and kept_from is None and sampling.truncates:
+        sampling = Sampling(temperature=sampling.temperature)  # the reference's softmax at the sampler's temperature
     with adapters_disabled(model):
-        return response_logprobs(model, sequences, attention_mask, prompt_length, temperature, return_logits, **processing)
+        return _score(model, sequences, attention_mask, prompt_length, sampling, return_logits, kept_from, outside,
+                      None, remember=False)

@@ -27,11 +27,14 @@ class MismatchMetric(DataParallelMetric):
     ``device_mesh`` when given).
 
     ``compute()`` and a call return a dict of 0-d float64 tensors (NaN where no data); log it with
-    ``self.log_dict``. Nothing is read on the host by ``update``::
+    ``self.log_dict``, then ``reset()``: the state is every batch since the last reset, so an epoch's
+    value without one includes every earlier epoch. Nothing is read on the host by ``update``::
 
         self.mismatch.update(logprob, batch["rollout_logprobs"], mask)          # in training_step
-        ...
-        self.log_dict({f"mismatch/{k}": v for k, v in self.mismatch.compute().items()})  # at epoch end
+
+        def on_train_epoch_end(self):
+            self.log_dict({f"mismatch/{k}": v for k, v in self.mismatch.compute().items()})
+            self.mismatch.reset()                                               # the next epoch starts empty
 
     ``update(logprob, rollout_logprob, mask=None)``: ``[..., t]`` floating tensors and an optional
     ``[..., t]`` mask; padded positions may hold anything.

@@ -16,7 +16,8 @@ It also closes the optimizer step of every loss whose ``coef`` is a controller
 hook once per optimizer step, after the backward of the step's last micro-batch (under
 ``accumulate_grad_batches`` too, and in manual optimization at each ``optimizer.step()``), so the
 step's gradient used the step's coefficient and the next step gets the updated one. Only the
-Trainer's first optimizer closes steps. It logs ``kl/coef`` (the coefficient the step used) and
+Trainer's first optimizer closes steps. An :class:`~lightning_kl.EntropyBonus` whose ``coef`` is a
+controller is closed the same way (logged under ``entropy/`` in place of ``kl/``). It logs ``kl/coef`` (the coefficient the step used) and
 ``kl/value`` (the step's global KL); with several controlled losses, or a
 :class:`~lightning_kl.KLRewardCallback` logging under ``kl/`` too, the names end with the loss's name
 in the module (``kl/coef/kl_loss``). A non-finite global KL leaves the coefficient unchanged and is
@@ -34,6 +35,7 @@ from typing_extensions import override
 
 from lightning_kl.callback import ControllerFaultCallback, KLRewardCallback
 from lightning_kl.controllers import KLController
+from lightning_kl.entropy import EntropyBonus
 from lightning_kl.loss import KLPenaltyLoss
 
 __all__ = ["KLLossCallback", "attach_losses", "callbacks_factory"]
@@ -69,11 +71,12 @@ class KLLossCallback(ControllerFaultCallback):
         if not self._acts(trainer):
             return
         # found once per fit (a walk over every module of a large model is not free at every step)
-        self._losses = [(name, m) for name, m in pl_module.named_modules() if isinstance(m, KLPenaltyLoss)]
+        # an EntropyBonus closes its steps the same way (its coefficient, logged under entropy/)
+        self._losses = [(name, m) for name, m in pl_module.named_modules() if isinstance(m, (KLPenaltyLoss, EntropyBonus))]
         users: dict[int, list[str]] = {}
         for name, loss in self._controlled():
             for ctl in _chain(loss.controller):
-                users.setdefault(id(ctl), []).append(f"KLPenaltyLoss {name!r}")
+                users.setdefault(id(ctl), []).append(f"{type(loss).__name__} {name!r}")
         for cb in trainer.callbacks:
             if isinstance(cb, KLRewardCallback):
                 for ctl in _chain(cb.controller):
@@ -95,15 +98,15 @@ class KLLossCallback(ControllerFaultCallback):
         controlled = self._controlled()
         if not controlled:
             return
-        suffix = len(controlled) > 1 or any(
-            isinstance(cb, KLRewardCallback) and cb.log_prefix == "kl/" for cb in trainer.callbacks
-        )
-        for name, loss in controlled:
+        prefixes = [getattr(loss, "log_prefix", "kl/") for _, loss in controlled]
+        rewards = any(isinstance(cb, KLRewardCallback) and cb.log_prefix == "kl/" for cb in trainer.callbacks)
+        for (name, loss), prefix in zip(controlled, prefixes):
             used = loss.update_coef(trainer.strategy, pl_module.device)
             assert used is not None
+            suffix = prefixes.count(prefix) > 1 or (rewards and prefix == "kl/")
             tail = f"/{name}" if suffix else ""
-            pl_module.log(f"kl/coef{tail}", used[0], on_step=True, on_epoch=False, batch_size=1)
-            pl_module.log(f"kl/value{tail}", used[1], on_step=True, on_epoch=False, batch_size=1)
+            pl_module.log(f"{prefix}coef{tail}", used[0], on_step=True, on_epoch=False, batch_size=1)
+            pl_module.log(f"{prefix}value{tail}", used[1], on_step=True, on_epoch=False, batch_size=1)
 
     def _raise_pending(self) -> None:
         # reading a coefficient raises the fault its controller recorded on the device (a non-finite
@@ -111,7 +114,7 @@ class KLLossCallback(ControllerFaultCallback):
         for _, loss in self._controlled():
             _ = loss.coef
 
-    def _controlled(self) -> list[tuple[str, KLPenaltyLoss]]:
+    def _controlled(self) -> list[tuple[str, Any]]:
         return [(name, m) for name, m in getattr(self, "_losses", ()) if m.controller is not None]
 
     @override

@@ -1,10 +1,11 @@
 """The other stacks' own rollout-correction code, loaded from their installed packages with their
 framework imports stubbed, for ``tests/test_mismatch_stacks.py``.
 
-Each stack is installed without its dependencies, either into a folder named by the environment
-variable ``LIGHTNING_KL_STACKS`` (``pip install --no-deps --target DIR verl==0.9.1 trl==1.16.0
-openrlhf==0.11.2``: nothing else imports them from there) or into the environment; a loader skips the
-calling test when the package or the pinned version is missing. (Installed into the environment
+Each stack is installed without its dependencies, either into a folder (``pip install --no-deps
+--target DIR verl==0.9.1 trl==1.16.0 openrlhf==0.11.2``: nothing else imports them from there) or into
+the environment; a loader skips the calling test when the package or the pinned version is missing.
+The folder is the environment variable ``LIGHTNING_KL_STACKS`` when it is set, else ``.stacks`` at the
+repository's root, where the README's install command puts them. (Installed into the environment
 without its dependencies, ``trl`` imports but its modules do not, which ``benchmarks/gpu.py`` reports
 as an error of its TRL anchor: prefer the folder.) Nothing here copies their code: the files are read
 from the installed package and executed as they are.
@@ -38,9 +39,21 @@ import torch
 VERSIONS = {"verl": "0.9.1", "trl": "1.16.0", "openrlhf": "0.11.2"}
 
 
+#: where the README's install command puts the stacks (``pip install --no-deps --target .stacks ...``)
+DEFAULT_STACKS = Path(__file__).resolve().parent.parent / ".stacks"
+
+
+def stacks_folder() -> str:
+    """``LIGHTNING_KL_STACKS`` when set, else the repository's ``.stacks`` when it exists, else ''."""
+    stacks = os.environ.get("LIGHTNING_KL_STACKS")
+    if stacks:
+        return stacks
+    return str(DEFAULT_STACKS) if DEFAULT_STACKS.is_dir() else ""
+
+
 def package_root(name: str) -> Path:
     """The installed package's folder, or skip the test (not installed, or another version)."""
-    stacks = os.environ.get("LIGHTNING_KL_STACKS")
+    stacks = stacks_folder()
     if stacks:
         for dist in importlib.metadata.distributions(path=[stacks]):
             if dist.metadata["Name"].lower() == name:
@@ -51,8 +64,8 @@ def package_root(name: str) -> Path:
         version = importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
         pytest.skip(
-            f"{name} is not installed (pip install --no-deps --target DIR {name}=={VERSIONS[name]}, "
-            "then LIGHTNING_KL_STACKS=DIR)"
+            f"{name} is not installed (the README's install command: pip install --no-deps --target .stacks "
+            f"{name}=={VERSIONS[name]}; or another DIR and LIGHTNING_KL_STACKS=DIR)"
         )
     if version != VERSIONS[name]:
         pytest.skip(f"{name} {version} is installed; these tests read {name} {VERSIONS[name]}")

@@ -232,12 +232,12 @@ def test_response_logprobs_at_a_temperature():
     p = ids.shape[1]
     mask = hf.response_mask(out.sequences[:, p:], EOS)
     am, _ = hf.sequence_inputs(prompt_am, mask)
-    lp, logits = hf.response_logprobs(model, out.sequences, am, p, temperature=0.5, return_logits=True)
+    lp, logits = hf.response_logprobs(model, out.sequences, am, p, sampling=lk.Sampling(0.5), return_logits=True)
     assert logits.shape == (3, out.sequences.shape[1] - p, VOCAB)
     expected = torch.log_softmax(logits.double() / 0.5, -1).gather(-1, out.sequences[:, p:, None]).squeeze(-1)
     assert_close(lp.double(), expected, rtol=0, atol=1e-5)
     with pytest.raises(ValueError, match="`temperature` must be a finite number > 0, got 0"):
-        hf.response_logprobs(model, out.sequences, am, p, temperature=0)
+        hf.response_logprobs(model, out.sequences, am, p, temperature=0)  # deprecated keyword: checked first
 
 
 def test_response_logprobs_of_a_bf16_model_are_float32_and_differentiable():
@@ -276,7 +276,9 @@ def test_response_logprobs_take_one_sampling_for_the_old_keywords():
     s = lk.Sampling(temperature=0.7, top_k=4, top_p=0.9)
     out, am, p, mask = _sample(model, s.generate_kwargs())
     by_object = hf.response_logprobs(model, out.sequences, am, p, sampling=s)
-    by_keywords = hf.response_logprobs(model, out.sequences, am, p, 0.7, top_k=4, top_p=0.9)
+    with pytest.warns(DeprecationWarning, match=r"lk.hf.response_logprobs\(temperature=, top_k=, top_p=...\) is "
+                      r"deprecated: pass sampling=lk.Sampling\(temperature=0.7, top_k=4, top_p=0.9\)"):
+        by_keywords = hf.response_logprobs(model, out.sequences, am, p, 0.7, top_k=4, top_p=0.9)
     assert torch.equal(by_object, by_keywords)
     # the sampler's own distribution: generate's processed scores, at every valid token
     drawn = torch.log_softmax(torch.stack(out.scores, 1).double(), -1).gather(-1, out.sequences[:, p:, None])[..., 0]
@@ -573,8 +575,8 @@ def _kl_terms(tmp_path, cache_dir, args):
             seq, am, mask = batch["sequences"], batch["attention_mask"], batch["mask"]
             p = seq.shape[1] - mask.shape[1]
             with torch.no_grad():
-                _, logits = hf.response_logprobs(module.policy, seq, am, p, return_logits=True, temperature=1.0)
-                _, ref = hf.reference_logprobs(module.policy, seq, am, p, return_logits=True, temperature=1.0)
+                _, logits = hf.response_logprobs(module.policy, seq, am, p, return_logits=True, sampling=lk.Sampling())
+                _, ref = hf.reference_logprobs(module.policy, seq, am, p, return_logits=True, sampling=lk.Sampling())
             seen.append({"logits": logits.double(), "ref": ref.double(), "mask": mask})
 
     cli = ex.main(["--config", str(CONFIG), *TINY_ARGS, *QUIET_CLI, f"--model.cache_dir={cache_dir}",

@@ -188,6 +188,51 @@ def test_every_verl_preset_is_read_by_from_verl(verl: Any) -> None:
                 assert_close(out.old_logprob, batch["logprob"], rtol=0, atol=0, equal_nan=True)
 
 
+def test_the_docs_loss_recipes_run_with_every_verl_preset_and_equal_verls_loss(verl: Any) -> None:
+    # docs/mismatch.md's recipes, run as written: the decoupled one for decoupled_* presets, the reinforce
+    # one for bypass_* presets with loss_type reinforce; some weigh nothing (fix.weights is None)
+    from _snippets import snippet
+
+    decoupled = snippet("docs/mismatch.md", "# weights pi_old / mu")
+    reinforce = snippet("docs/mismatch.md", "verl's loss_type: reinforce")
+    batch = _batch(5, scale=0.0005, empty=False)  # close enough for verl's geometric bounds (1 +- 0.001) to keep some
+    mask = batch["mask"]
+    clean = {k: torch.where(mask, batch[k], -1.0) for k in ("logprob", "rollout")}
+    ran = []
+    for name, cfg in verl_presets(verl.config).items():
+        fields = _verl_fields(cfg)
+        if fields["bypass_mode"] and fields["loss_type"] != "reinforce":
+            continue  # ppo_clip in bypass mode: the clipped ratio and no weights (the prose of the page)
+        correction = lk.RolloutCorrection.from_verl(cfg)
+        logprob = clean["logprob"].clone().requires_grad_()
+        adv = batch["advantages"]
+        ns = {"torch": torch, "lk": lk, "eps": 0.2, "mask": mask, "logprob": logprob,
+              "old_logprob": clean["logprob"], "self": SimpleNamespace(correction=correction, kl=lk.KLPenaltyLoss("k3+")),
+              "batch": {"rollout_logprobs": clean["rollout"], "advantages": adv, "ref_logprobs": clean["rollout"]}}
+        exec(reinforce if fields["bypass_mode"] else decoupled, ns)
+        # verl: its own weights and mask, then -A * w * (log pi, or the clipped surrogate), token-mean
+        w_theirs, mask_theirs, _ = verl.helper.compute_rollout_correction_and_rejection_mask(
+            clean["logprob"], clean["rollout"], mask.double(),
+            rollout_is=fields["rollout_is"], rollout_is_threshold=fields["rollout_is_threshold"],
+            rollout_is_batch_normalize=fields["rollout_is_batch_normalize"],
+            rollout_rs=fields["rollout_rs"], rollout_rs_threshold=fields["rollout_rs_threshold"],
+        )  # fmt: skip
+        w = 1.0 if w_theirs is None else w_theirs.batch["rollout_is_weights"]
+        a = adv[:, None]
+        if fields["bypass_mode"]:
+            losses = -a * logprob.detach() * w
+        else:
+            ratio = torch.exp(logprob.detach() - clean["logprob"])
+            losses = -w * torch.minimum(ratio * a, ratio.clamp(0.8, 1.2) * a)
+        keep = mask_theirs.bool()
+        assert keep.any(), name
+        want = losses[keep].sum() / keep.sum()
+        assert_close(ns["policy_loss"].detach(), want, rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
+        ran.append((name, w_theirs is None))
+    assert any(none for _, none in ran) and any(not none for _, none in ran), ran
+    assert "bypass_pg_geo_rs" in dict(ran)
+
+
 def test_verl_defaults_and_bad_verl_blocks(verl: Any) -> None:
     # verl's YAML defaults: no weights, no rejection (metrics only)
     fix = lk.RolloutCorrection.from_verl({})

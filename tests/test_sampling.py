@@ -279,8 +279,8 @@ def test_a_scorer_with_another_processing_is_reported_not_given_minus_inf(tiny):
     mask = lk.hf.response_mask(seq[:, p:], ex.EOS_ID)
     am, _ = lk.hf.sequence_inputs(enc["attention_mask"], mask)
     with pytest.raises(ValueError, match=r"sampled token\(s\) lie outside the kept set .*'top_k': 1.* first at position"):
-        lk.hf.response_logprobs(model, seq, am, p, top_k=1)
-    lp = lk.hf.response_logprobs(model, seq, am, p, top_k=1, outside="-inf")
+        lk.hf.response_logprobs(model, seq, am, p, sampling=lk.Sampling(top_k=1))
+    lp = lk.hf.response_logprobs(model, seq, am, p, sampling=lk.Sampling(top_k=1), outside="-inf")
     assert (lp == float("-inf")).any() and not torch.isnan(lp).any()
 
 
@@ -303,9 +303,9 @@ def test_reference_logprobs_take_the_processing_keywords(tiny):
     mask = lk.hf.response_mask(seq[:, p:], ex.EOS_ID)
     am, _ = lk.hf.sequence_inputs(enc["attention_mask"], mask)
     with torch.no_grad():
-        _, logits = lk.hf.response_logprobs(policy, seq, am, p, return_logits=True, top_p=0.8)
-        want = lk.hf.response_logprobs(base, seq, am, p, top_p=0.8, kept_from=logits)
-    got = lk.hf.reference_logprobs(policy, seq, am, p, top_p=0.8, kept_from=logits)
+        _, logits = lk.hf.response_logprobs(policy, seq, am, p, return_logits=True, sampling=lk.Sampling(top_p=0.8))
+        want = lk.hf.response_logprobs(base, seq, am, p, sampling=lk.Sampling(top_p=0.8), kept_from=logits)
+    got = lk.hf.reference_logprobs(policy, seq, am, p, sampling=lk.Sampling(top_p=0.8), kept_from=logits)
     assert_close(got, want, rtol=0, atol=1e-6)
     # on the policy's kept set: finite wherever the policy sampled
     assert torch.isfinite(got).all() and (got[~mask] == 0).all()
@@ -431,7 +431,7 @@ def test_bad_processing_fails_before_the_forward_pass():
 
     seq, am = torch.ones(2, 4, dtype=torch.long), torch.ones(2, 4, dtype=torch.long)
     with pytest.raises(ValueError, match=r"`top_p` must be a number in \[0, 1\]"):
-        lk.hf.response_logprobs(Boom(), seq, am, 2, top_p=2.0)
+        lk.hf.response_logprobs(Boom(), seq, am, 2, top_p=2.0)  # the deprecated keyword: checked before the model runs
 
 
 def test_a_token_outside_the_kept_set_is_reported_with_its_position():

@@ -8,6 +8,7 @@ The same object configures the sampler (``model.generate(**sampling.generate_kwa
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -97,8 +98,12 @@ class Sampling:
             model: optional, the model that will ``generate`` (or its ``GenerationConfig``): the
                 settings its ``transformers`` version does not know are left out (an older version
                 has no such processor, and would refuse the unknown keyword). Without it, every
-                setting of ``transformers`` 5 is given.
+                setting of ``transformers`` 5 is given. The model remembers this sampler
+                (:func:`lightning_kl.hf.response_logprobs` warns when it later scores the model
+                with no sampler at all).
         """
+        if model is not None:
+            remember_sampler(model, self)
         kwargs = {
             "do_sample": True,
             "num_beams": 1,
@@ -139,3 +144,23 @@ class Sampling:
         if config is None:
             return kwargs
         return {k: v for k, v in kwargs.items() if hasattr(config, k)}
+
+
+# the sampler each model last drew with (generate_kwargs(model)) or was scored with (lk.hf.response_logprobs)
+_samplers: "weakref.WeakKeyDictionary[Any, Sampling]" = weakref.WeakKeyDictionary()
+
+
+def remember_sampler(model: Any, sampling: Sampling) -> None:
+    """Record ``sampling`` as the sampler of ``model`` (nothing for an object that takes no weak reference)."""
+    try:
+        _samplers[model] = sampling
+    except TypeError:
+        pass
+
+
+def remembered_sampler(model: Any) -> Optional[Sampling]:
+    """The sampler last recorded for ``model`` by :func:`remember_sampler`, or None."""
+    try:
+        return _samplers.get(model)
+    except TypeError:
+        return None
