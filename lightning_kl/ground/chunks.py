@@ -9,7 +9,9 @@ process per core) the spinning threads take the core from the thread that has wo
 call at ``[1024, 151936]`` took 11-17 s without the pool against 0.6 s with it, at a load of 1.5-3
 (``benchmarks/compare.py`` measures both ways against a git ref; ``docs/performance.md``). The pool's threads wait for nobody but the end of the call: a worker
 the OS preempts delays only the chunk it holds, the others keep taking chunks. One barrier per call
-instead of one per op.
+instead of one per op. What the workers still share is the GIL, taken between ops: on heavily
+oversubscribed cores a worker preempted while holding it stalls the others, so the kernels' CPU
+chunks are large (2^20 elements: ``kernels/engine.py`` and ``kernels/fused.py`` give the figures).
 
 No process-wide state changes. torch keeps OpenMP's and MKL's thread counts per thread: each worker
 calls ``torch.set_num_threads(1)`` for itself, once, when the pool starts; that call also sets the
