@@ -77,7 +77,7 @@ def test_token_logprobs_chunks_are_sized_for_the_device(handed):
     (gpu_items, gpu_device), (cpu_items, _) = handed
     assert gpu_device == META
     assert [_rows(i) for i in gpu_items] == [220] * 4 + [120]  # 2^25 // V = 220 rows
-    assert _rows(cpu_items[0]) == 3 and len(cpu_items) == 334  # 2^19 // V = 3 rows
+    assert _rows(cpu_items[0]) == 6 and len(cpu_items) == 167  # 2^20 // V = 6 rows
 
 
 def test_token_logprobs_from_hidden_chunks_are_sized_for_the_device(handed):

@@ -75,6 +75,9 @@ def test_the_log_prob_check_is_at_its_threshold_and_ignores_padding() -> None:
     lk.KLPenaltyLoss("k1")(lp, lp.clone(), mask)
     # NaN and -inf at valid positions are not this check's business (they poison the loss, as documented)
     assert torch.isnan(lk.kl_penalty(torch.tensor([float("nan")]), torch.tensor([-1.0]), "k1")).all()
+    # ...but a NaN does not hide a positive value at another valid position (the CPU's one-pass max is NaN there)
+    with pytest.raises(ValueError, match="must hold log-probabilities"):
+        lk.kl_penalty(torch.tensor([float("nan"), 0.5, -1.0]), torch.full((3,), -1.0), "k1")
 
 
 def test_the_log_prob_check_runs_on_the_device_off_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -12,7 +12,9 @@ formula in about 1 fresh process of 4; nothing in the package itself is racy.
 
 :func:`settle_vector_math` makes that first call here, once, in the thread that imports the package,
 on a one-element tensor (below torch's grain, so it runs inline with no OpenMP region): every later
-call, on any thread, finds the choice made. A forked child inherits it. On a torch without oneMKL the
+call, on any thread, finds the choice made: torch's OpenMP threads, a user's threads, and the chunk
+runner's workers (:mod:`lightning_kl.ground.chunks`), which start at the first chunked call, after the
+import. A forked child inherits it. On a torch without oneMKL the
 call is a plain one-element ``exp`` and costs nothing. ``tests/test_vector_math.py`` reads oneMKL's
 variable in a fresh process to check that the import sets it.
 """

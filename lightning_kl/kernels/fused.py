@@ -6,8 +6,9 @@ and keeps several full-size temporaries alive until backward. Here one
 :class:`torch.autograd.Function` per call
 
 * walks the inputs in chunks (:data:`CHUNK` elements on CPU), does every step of a chunk in place in
-  a few chunk-sized scratch buffers, and writes the value once; the chunks run in order through the
-  package's chunk runner (:mod:`lightning_kl.ground.chunks`), each op on a chunk with torch's threads;
+  a few chunk-sized scratch buffers, and writes the value once; the chunks go to the package's chunk
+  runner (:mod:`lightning_kl.ground.chunks`: on CPU a pool of threads, each running single-threaded
+  ops on its chunks with scratch buffers of its own);
 * saves only ``logprob``, ``ref_logprob`` and the mask (tensors the caller holds anyway), and in
   backward recomputes what the gradient needs chunk by chunk, reading the incoming gradient once and
   writing ``grad_logprob`` (and ``grad_ref = -grad_logprob``, only when ``ref_logprob`` requires a
@@ -58,11 +59,12 @@ from lightning_kl.ground.chunks import run_chunks
 
 __all__ = ["CHUNK", "ENABLED", "FUSED_BASES", "MIN_ELEMENTS", "fused_kl_value", "use_fused"]
 
-#: Elements per chunk on CPU: 2^20, 32 of torch's grains, so that each op on a chunk runs on torch's
-#: intra-op threads; its two or three float32 scratch buffers are 4 MiB each. Measured on 2 cores
-#: (``benchmarks/bench_cpu_machinery.py``, docs/performance.md): chunks of torch's grain (32768, every
-#: op inline on the calling thread) were 0.90x-1.65x the composition's speed at 256K-1M tokens, these
-#: 1.1x-3.2x; at 8M tokens chunks of 2^20 were 1.7x-4.3x faster than whole-tensor ops. Other devices take the whole tensor as one chunk (one
+#: Elements per chunk on CPU: 2^20, each chunk's two or three float32 scratch buffers 4 MiB (one set
+#: per worker of the chunk runner's pool). Measured on the project's 2-core machine under a load of
+#: 10-16 (other processes), the pool on: k3+ at [1024, 8192] forward+backward took 0.97x the
+#: composition's time in chunks of 2^20, 1.25x-1.6x in chunks of 2^15 to 2^18 (each chunk's Python
+#: holds the GIL between ops, and a worker preempted while holding it stalls the other); at a
+#: load of about 5, ``benchmarks/compare.py`` gave 0.33x (0.26x at 452e35a). Other devices take the whole tensor as one chunk (one
 #: kernel launch per step: the in-place work and the saved-nothing backward still apply); its two or
 #: three float32 scratch buffers are the size of the value (``[b, t]``: 32 MiB each at 8M tokens).
 CHUNK = 1 << 20
