@@ -180,6 +180,8 @@ def _processed_call(device: torch.device, which: str) -> Callable[[], Any]:
         w = torch.randn(50, 16, device=device, requires_grad=True)
         y = (h.detach() @ w.detach().T).argmax(-1)
         return lambda: lk.token_logprobs(lk.FromHidden(h, w), y, sampling=proc).sum().backward()
+    if which == "both":  # the log-probs and the entropy in one pass, both in the loss
+        return lambda: sum(t.sum() for t in lk.token_logprobs_and_entropy(z, y, sampling=proc)).backward()
     return lambda: lk.token_logprobs(z, y, sampling=proc, return_log_kept=True)[0].sum().backward()
 
 
@@ -441,6 +443,7 @@ SYNC_CALLS: list[SyncCall] = [
     SyncCall("token_logprobs FromHidden sampling=", ("token_logprobs", "FromHidden"), lambda d: _processed_call(d, "hidden")),
     SyncCall("full_kl sampling=", ("full_kl",), lambda d: _processed_call(d, "full")),
     SyncCall("token_entropy sampling= (mask)", ("token_entropy",), lambda d: _processed_call(d, "entropy")),
+    SyncCall("token_logprobs_and_entropy sampling=", ("token_logprobs_and_entropy",), lambda d: _processed_call(d, "both")),
     SyncCall("full_kl (mask)", ("full_kl",), lambda d: _full_call(d, True)),
     SyncCall("full_kl (no mask)", ("full_kl",), lambda d: _full_call(d, False)),
     SyncCall("full_kl FromHidden", ("full_kl", "FromHidden"), _full_hidden_call),
