@@ -267,6 +267,36 @@ def _controlled_loss_call(device: torch.device) -> Callable[[], Any]:
     return call
 
 
+def _entropy_call(device: torch.device, kind: str) -> Callable[[], Any]:
+    """The entropy parts: a controlled ``EntropyBonus`` (two forward+backward, ``update_coef``), a
+    ``TargetEntropyController`` update under each rule, or ``high_entropy_mask`` on one process."""
+    g = seeded(device, 0)
+    z = torch.randn(4, 8, 50, generator=g, device=device, requires_grad=True)
+    mask = torch.rand(4, 8, generator=g, device=device) < 0.9
+    if kind == "mask":
+        entropy = lk.token_entropy(z.detach(), mask)
+        return lambda: lk.high_entropy_mask(entropy, mask, top=0.2)
+    if kind in ("dual", "additive"):
+        c = lk.TargetEntropyController(target_entropy=2.0, init_coef=0.01, rule=kind)
+        h, n = torch.tensor(1.5, dtype=torch.float64, device=device), torch.tensor(8.0, dtype=torch.float64, device=device)
+        c.value_tensor(device)
+
+        def update() -> None:
+            c.update(h, n)
+            c.value_tensor(device)
+
+        return update
+    bonus = lk.EntropyBonus(coef=lk.TargetEntropyController(target_entropy=2.0, init_coef=0.01)).to(device)
+    bonus.update_coef(device=device)  # the coefficient on the device before the check
+
+    def call() -> None:
+        for _ in range(2):
+            bonus(z, mask).backward()
+        bonus.update_coef()
+
+    return call
+
+
 def _controller_read(device: torch.device) -> Callable[[], Any]:
     c = lk.AdaptiveKLController(0.1, 6.0, 100)
     c.update(torch.tensor(0.5, dtype=torch.float64, device=device), torch.tensor(8.0, dtype=torch.float64, device=device))
@@ -382,7 +412,16 @@ def _hf_call(device: torch.device, which: str) -> Callable[[], Any]:
     return lambda: lk.hf.reference_logprobs(model, sequences, am, 3)
 
 
-_IDS = "the id range check reads the ids' min and max on the host (vocab_inputs.py: check_tokens)"
+def _capped_call(device: torch.device) -> Callable[[], Any]:
+    """A Gemma-style head (soft cap) read from a config by lk.hf.from_hidden: the cap and its chain rule on the device."""
+    head = nn.Linear(32, 50).to(device)
+    model = SimpleNamespace(config=SimpleNamespace(model_type="gemma2", final_logit_softcapping=2.0), get_output_embeddings=lambda: head)
+    h = torch.randn(16, 32, device=device, requires_grad=True)
+    y = torch.randint(0, 50, (16,), device=device)
+    return lambda: lk.token_logprobs(lk.hf.from_hidden(model, h), y).sum().backward()
+
+
+_IDS = "the id range check reads the ids' min and max on the host (inputs.py: check_tokens)"
 _H2D = "copies a Python number or list to the device (torch.tensor / torch.as_tensor on CUDA waits for the copy)"
 
 #: Every call checked under sync-debug: (name, public names covered, inputs, why it syncs today).
@@ -428,6 +467,10 @@ SYNC_CALLS: list[SyncCall] = [
     SyncCall("hf.response_logits", ("hf.response_logits",), lambda d: _hf_call(d, "response_logits")),
     SyncCall("hf.response_logprobs (tiny LM, backward)", ("hf.response_logprobs",), lambda d: _hf_call(d, "response_logprobs"), syncs=_IDS + " (through token_logprobs)"),
     SyncCall("hf.reference_logprobs (adapters off)", ("hf.reference_logprobs", "hf.adapters_disabled"), lambda d: _hf_call(d, "reference_logprobs"), syncs=_IDS + " (through token_logprobs)"),
+    SyncCall("EntropyBonus(coef=TargetEntropyController): 2 x forward+backward, update_coef", ("EntropyBonus", "TargetEntropyController"), lambda d: _entropy_call(d, "bonus")),
+    *(SyncCall(f"TargetEntropyController(rule={r!r}).update(tensors)", ("TargetEntropyController",), lambda d, r=r: _entropy_call(d, r)) for r in ("dual", "additive")),
+    SyncCall("high_entropy_mask (one process, mask)", ("high_entropy_mask",), lambda d: _entropy_call(d, "mask")),
+    SyncCall("hf.from_hidden (soft cap, backward)", ("hf.from_hidden",), _capped_call, syncs=_IDS + " (through token_logprobs)"),
 ]
 
 #: Public names with no device work to check, and why.
@@ -440,6 +483,8 @@ HOST_ONLY: dict[str, str] = {
     "by design (also behind hf.response_logprobs(sampler_scores=), which is off by default)",
     "hf.SamplerAgreement": "a tuple of Python numbers (host data)",
     "hf.SamplerMismatchWarning": "a warning class",
+    "hf.RATIO_BAND": "a constant: the band of PPO ratios the checks and the example report (host data)",
+    "hf.logit_transform": "reads a model's config: Python numbers (host data)",
     "VocabShard": "needs a tensor parallel process group; its device form without host reads is "
     "checked on CPU by tests/test_vocab_parallel.py",
 }

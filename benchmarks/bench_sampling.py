@@ -47,7 +47,7 @@ def _child(args: argparse.Namespace) -> None:
     import torch
 
     import lightning_kl as lk
-    from lightning_kl.kernels.processing import check_processing, process_scores
+    from lightning_kl.ground.sampler import check_processing, process_scores
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -81,7 +81,7 @@ def _child(args: argparse.Namespace) -> None:
 def _ties(args: argparse.Namespace) -> None:
     import torch
 
-    from lightning_kl.kernels.processing import check_processing, process_scores
+    from lightning_kl.ground.sampler import check_processing, process_scores
 
     torch.manual_seed(0)
     logits = torch.randn(256, args.vocab) * 3

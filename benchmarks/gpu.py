@@ -404,7 +404,7 @@ def _hidden_cases(shapes: Shapes, device: torch.device) -> list[Case]:
 
                 return _step(fn), _clear(h, w)
 
-            case = Case("logprobs-hidden", "token_logprobs_from_hidden", str(n), n, "bfloat16", variant, build, reference=variant == "lightning-kl")
+            case = Case("logprobs-hidden", "token_logprobs(FromHidden)", str(n), n, "bfloat16", variant, build, reference=variant == "lightning-kl")
             case.needs_cuda = variant.startswith("liger")
             out.append(case)
     return out
@@ -443,7 +443,7 @@ def _full_cases(shapes: Shapes, device: torch.device) -> list[Case]:
 
                 return _step(fn), _clear(h, w)
 
-            case = Case("full-hidden", "full_kl_from_hidden", str(n), n, "bfloat16", variant, build_h, reference=variant == "lightning-kl")
+            case = Case("full-hidden", "full_kl(FromHidden)", str(n), n, "bfloat16", variant, build_h, reference=variant == "lightning-kl")
             if variant.startswith("liger"):
                 case.needs_cuda, case.compare = True, "mean"
             out.append(case)
@@ -472,7 +472,7 @@ def _chunk_cases(shapes: Shapes, device: torch.device) -> list[Case]:
     # the middle size first: the reference row (2^25, the CUDA default, in the GPU run)
     exponents = list(shapes.chunk_exponents)
     exponents.insert(0, exponents.pop(len(exponents) // 2))
-    for what in ("token_logprobs", "full_kl", "full_kl_from_hidden"):
+    for what in ("token_logprobs", "full_kl", "full_kl(FromHidden)"):
         for k in exponents:
             rows = max(1, 2**k // vocab)
 

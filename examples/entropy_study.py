@@ -1,6 +1,7 @@
 r"""Entropy control on the toy: no bonus, a fixed bonus, a target entropy, and the 80/20 token mask.
 
     python examples/entropy_study.py --out runs/entropy_study --png docs/entropy_toy.png
+    python examples/entropy_study.py --config examples/configs/entropy_hf.yaml --png docs/entropy_hf.png
 
 The toy of ``examples/toy_rlhf.py`` (GRPO, ``k3+`` in the loss) rewards the share of 7s in the
 response: the all-7 answer is the optimum, so the policy's entropy collapses as it learns. Six arms,
@@ -20,6 +21,13 @@ rollout's response tokens (``EntropyBonus.metric`` where there is a bonus, the s
 the reward over the last quarter of the rollouts, the final coefficient, the seconds), per-step
 series in ``out/series.json``, and with ``--png`` a plot of entropy and reward over the rollouts
 (mean over seeds, the band their range). Runs already in the CSV are not run again.
+
+With ``--config``, the Hugging Face example instead (``examples/hf_grpo.py`` through its own CLI, as
+``examples/kl_control_study.py`` drives it): the YAML names the example's base configuration and its
+overrides, the seeds, the output folder, the target drawn on the plot, and the arms, each a mapping of
+the model's arguments (``entropy_coef``: a number or a ``TargetEntropyController`` by ``class_path``;
+``top_entropy``). The entropy is the example's ``train/entropy`` (the rollout's token-mean entropy of
+the sampling distribution), the reward its accuracy (``train/acc``); the same CSV and plot.
 """
 
 from __future__ import annotations
@@ -132,34 +140,103 @@ def run(arm: str, seed: int, rollouts: int, out: Path, pretrain_steps: int = 400
     return row, s
 
 
-def plot(series: dict[str, dict[str, list[float]]], rows: list[dict[str, Any]], png: Path) -> None:
+# ---------------------------------------------------------------------------------------------
+# the Hugging Face example (--config)
+
+HF_KEYS = {"base_config", "overrides", "out", "target", "seeds", "arms"}
+
+
+def load_hf(path: str | Path) -> dict[str, Any]:
+    """The HF study's YAML, checked: its keys, and each arm a mapping of the model's arguments."""
+    import yaml
+
+    with open(path) as f:
+        raw = yaml.safe_load(f)
+    if not isinstance(raw, dict) or set(raw) - HF_KEYS or {"base_config", "arms"} - set(raw):
+        raise ValueError(f"{path}: a mapping with the keys {sorted(HF_KEYS)} (base_config and arms required).")
+    if not isinstance(raw["arms"], dict) or not all(isinstance(a, dict) for a in raw["arms"].values()):
+        raise ValueError(f"{path}: `arms` must map each arm's name to the model's arguments, got {raw['arms']!r}.")
+    raw.setdefault("seeds", [0])
+    raw.setdefault("overrides", {})
+    raw["out"] = Path(raw.get("out") or "runs/entropy_study/hf")
+    return raw
+
+
+def run_hf(study: dict[str, Any], arm: str, seed: int) -> tuple[dict[str, Any], dict[str, list[float]]]:
+    """One run of ``examples/hf_grpo.py`` for ``arm`` and ``seed``; its row and its series."""
+    import importlib
+
+    import yaml
+
+    import _runs
+    import frontier
+
+    with open(study["base_config"]) as f:
+        config = frontier.merge(yaml.safe_load(f), study["overrides"])
+    out = study["out"]
+    logger = {"class_path": "lightning.pytorch.loggers.CSVLogger",
+              "init_args": {"save_dir": str(out / "runs"), "name": arm, "version": f"seed{seed}"}}
+    config = frontier.merge(config, {"seed_everything": seed, "model": study["arms"][arm],
+                                     "trainer": {"logger": logger, "default_root_dir": str(out)}})
+    path = out / "configs" / f"{arm}-seed{seed}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    start = time.perf_counter()
+    argv, sys.argv = sys.argv, sys.argv[:1]
+    try:
+        cli = importlib.import_module("hf_grpo").main(["fit", "--config", str(path)])
+    finally:
+        sys.argv = argv
+    seconds = time.perf_counter() - start
+    m = _runs.read_metrics(Path(_runs.find_csv_logger(cli.trainer.loggers).log_dir) / "metrics.csv")
+    s = {"entropy": _runs.values(m["train/entropy"]), "reward": _runs.values(m["train/acc"])}
+    n = len(s["reward"])
+    bonus = cli.model.entropy
+    # the coefficient each step used: the controller's as logged, a number's, or none
+    s["coef"] = _runs.values(m["entropy/coef"]) if "entropy/coef" in m else [bonus.coef if bonus is not None else 0.0] * n
+    s["kept"] = _runs.values(m["train/pg_tokens"]) if "train/pg_tokens" in m else [1.0] * n
+    q = max(1, n // 4)
+    row = {
+        "arm": arm, "seed": seed,
+        "entropy_last": sum(s["entropy"][-q:]) / q, "reward_last": sum(s["reward"][-q:]) / q,
+        "entropy_first": s["entropy"][0], "coef_final": s["coef"][-1],
+        "kept_fraction": sum(s["kept"]) / n, "rollouts": n, "seconds": round(seconds, 1),
+    }
+    return row, s
+
+
+def plot(series: dict[str, dict[str, list[float]]], rows: list[dict[str, Any]], png: Path,
+         arms: tuple[str, ...] = ARMS, target: float = TARGET,
+         title: str = "toy GRPO (k3+ 0.05 in the loss)", reward: str = "reward (share of 7s)") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    colors = dict(zip(ARMS, ("black", "tab:blue", "tab:green", "tab:purple", "tab:olive", "tab:red")))
-    for arm in ARMS:
+    palette = {"none": "black", "fixed": "tab:blue", "target": "tab:green", "target-floor": "tab:purple",
+               "target-additive": "tab:olive", "top20": "tab:red"}
+    colors = {arm: palette.get(arm, f"C{i}") for i, arm in enumerate(arms)}
+    for arm in arms:
         runs = [v for k, v in series.items() if k.split("/")[0] == arm]
         if not runs:
             continue
         for ax, key in zip(axes, ("entropy", "reward", "coef")):
-            if key == "coef" and arm in ("none", "top20"):
+            if key == "coef" and not any(c for r in runs for c in r["coef"]):  # no bonus in this arm
                 continue
             n = min(len(r[key]) for r in runs)
             stacked = torch.tensor([r[key][:n] for r in runs])
             x = range(n)
             ax.plot(x, stacked.mean(0), color=colors[arm], label=arm)
             ax.fill_between(x, stacked.min(0).values, stacked.max(0).values, color=colors[arm], alpha=0.15)
-    axes[0].axhline(TARGET, color="gray", ls="--", lw=1, label=f"target {TARGET}")
+    axes[0].axhline(target, color="gray", ls="--", lw=1, label=f"target {target}")
     axes[0].set(title="policy entropy (nats/token, token-mean)", xlabel="rollout")
-    axes[1].set(title="reward (share of 7s)", xlabel="rollout")
+    axes[1].set(title=reward, xlabel="rollout")
     axes[2].set(title="entropy coefficient applied", xlabel="rollout")
     axes[2].set_yscale("symlog", linthresh=1e-3)
     axes[0].legend(fontsize=8)
     seeds = len({int(r["seed"]) for r in rows})
-    fig.suptitle(f"toy GRPO (k3+ 0.05 in the loss), {seeds} seeds: mean and range")
+    fig.suptitle(f"{title}, {seeds} seeds: mean and range")
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=110)
@@ -173,17 +250,23 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--rollouts", type=int, default=50)
     p.add_argument("--png", default=None)
     p.add_argument("--pretrain-steps", type=int, default=400, help="the toy reference's pretraining (cached)")
+    p.add_argument("--config", default=None, help="the Hugging Face example's study (e.g. examples/configs/entropy_hf.yaml); "
+                                                  "--out, --seeds, --arms, --rollouts are the YAML's then")
     args = p.parse_args(argv)
+    study = load_hf(args.config) if args.config else None
+    arms = tuple(study["arms"]) if study else ARMS
+    if study:
+        args.out, args.seeds, args.arms = study["out"], study["seeds"], list(arms)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     table, store = out / "entropy_study.csv", out / "series.json"
     rows = list(csv.DictReader(open(table))) if table.exists() else []
     series: dict[str, Any] = json.loads(store.read_text()) if store.exists() else {}
-    for arm in args.arms:
-        for seed in args.seeds:
+    for seed in args.seeds:  # every arm of a seed, then the next seed
+        for arm in args.arms:
             if f"{arm}/{seed}" in series:
                 continue
-            row, s = run(arm, seed, args.rollouts, out, args.pretrain_steps)
+            row, s = run_hf(study, arm, seed) if study else run(arm, seed, args.rollouts, out, args.pretrain_steps)
             print(f"[entropy_study] {arm:>15} seed {seed}: entropy {row['entropy_first']:.3f} -> {row['entropy_last']:.3f}, "
                   f"reward {row['reward_last']:.3f}, coef {row['coef_final']:.4f}, {row['seconds']} s", flush=True)
             rows.append(row)
@@ -194,7 +277,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                 writer.writerows(rows)
             store.write_text(json.dumps(series))
     summary = []
-    for arm in ARMS:
+    for arm in arms:
         mine = [r for r in rows if r["arm"] == arm]
         if mine:
             mean = {k: sum(float(r[k]) for r in mine) / len(mine) for k in ("entropy_last", "reward_last", "coef_final", "kept_fraction")}
@@ -203,7 +286,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     print("| arm | seeds | entropy, last quarter | reward, last quarter | final coef | tokens with gradient |")
     print("|---|---|---|---|---|---|")
     print("\n".join(summary))
-    if args.png:
+    if args.png and study:
+        plot(series, rows, Path(args.png), arms, float(study.get("target", TARGET)),
+             "Hugging Face example, GRPO (Qwen2 + LoRA, k3+ 0.3 per response in the loss)", "accuracy")
+    elif args.png:
         plot(series, rows, Path(args.png))
 
 

@@ -30,6 +30,11 @@ Everything is made here, on a CPU, with no download:
    holds), and the rollouts are scored with the log-probs of that processed distribution
    (``score_processed``; ``docs/sampling.md``), checked against ``generate``'s own processed scores
    (``check_sampler``).
+6. **Entropy (optional, off by default).** ``entropy_coef`` adds :class:`lightning_kl.EntropyBonus` to
+   the loss (a number, or a :class:`lightning_kl.TargetEntropyController` by ``class_path``), and
+   ``top_entropy < 1`` takes the policy gradient only on that share of the rollout's tokens of highest
+   entropy (:func:`lightning_kl.high_entropy_mask`, "Beyond the 80/20 rule"); both from the entropy of
+   the distribution the rollouts were drawn from. ``train/entropy`` is logged either way.
 
 Notation: ``b`` sequences in a rollout (``prompts_per_rollout * group_size``), ``p`` the padded prompt
 length, ``t`` the response length (at most ``max_new_tokens``), ``V`` the vocabulary size.
@@ -267,7 +272,8 @@ class ArithmeticDataModule(pl.LightningDataModule):
         A dict: ``sequences [b, p + t]`` (prompt block, response block), ``attention_mask [b, p + t]``,
         ``mask [b, t]`` (bool, the response up to and including its first EOS), ``logprobs [b, t]``
         (the sampling policy's), ``ref_logprobs [b, t]`` (adapters off), ``scores [b]`` (1.0 if right),
-        ``group [b]`` (prompt index), ``true_kl [b, t]`` (exact per-token KL).
+        ``group [b]`` (prompt index), ``true_kl [b, t]`` (exact per-token KL), ``entropy [b, t]`` (the
+        sampling distribution's, 0 on padding).
         """
         h = self.hparams
         n_prompts = h.prompts_per_rollout if n_prompts is None else n_prompts
@@ -312,6 +318,7 @@ class ArithmeticDataModule(pl.LightningDataModule):
             kl_policy_kept=kl_policy_kept,
             ratio_full=torch.exp(full_lp - batch["sampler_logprobs"]),
             ratio_processed=torch.exp(proc_lp - batch["sampler_logprobs"]),
+            entropy=lk.token_entropy(logits, mask, **self.scoring),
         )
         return batch
 
@@ -362,6 +369,15 @@ class HFGRPO(pl.LightningModule):
             weights; on-policy they make ``k3``'s gradient ``k3+``'s and ``k1``'s exact); ``False``
             gives the plain estimator, as frameworks without the weights use it.
         clip_eps: the ratio clip (GRPO/PPO); bites only if a rollout is used for more than one step.
+        entropy_coef: ``None`` (the default): no entropy term. Else the coefficient of an
+            :class:`lightning_kl.EntropyBonus` added to the loss, ``-coef`` times the token-mean entropy
+            of the distribution the rollouts were drawn from (``data.sampling``): a number, or a
+            controller by ``class_path`` (:class:`lightning_kl.TargetEntropyController`, moved once per
+            optimizer step; logged as ``entropy/coef`` and ``entropy/value``). TRL's ``entropy_coef``.
+        top_entropy: the share of the rollout's valid tokens, those of highest entropy, that the
+            policy gradient is taken on (:func:`lightning_kl.high_entropy_mask`; TRL's
+            ``top_entropy_quantile``); 1 (the default) takes every token. The KL and the entropy
+            bonus still see every token.
     """
 
     def __init__(
@@ -388,15 +404,21 @@ class HFGRPO(pl.LightningModule):
         kl_to_go: str = "k1",
         kl_old_logprob: bool = True,
         clip_eps: float = 0.2,
+        entropy_coef: Union[float, lk.KLController, None] = None,
+        top_entropy: float = 1.0,
     ) -> None:
         super().__init__()
         if arch not in ("qwen2", "llama"):
             raise ValueError(f"`arch` must be 'qwen2' or 'llama', got {arch!r}.")
         if not (isinstance(pretrain_steps, int) and pretrain_steps >= 0):
             raise ValueError(f"`pretrain_steps` must be an integer >= 0, got {pretrain_steps!r}.")
+        if isinstance(top_entropy, bool) or not isinstance(top_entropy, (int, float)) or not 0 < top_entropy <= 1:
+            raise ValueError(f"`top_entropy` must be a number in (0, 1] (1: every token), got {top_entropy!r}.")
         self.save_hyperparameters()
         # the estimator name, coefficient, mode and level are validated here, before any step
         self.kl = lk.KLPenaltyLoss(kl_estimator, coef=kl_coef, agg=kl_agg, level=kl_level, kl_to_go=kl_to_go)
+        # the entropy term, validated here too; None keeps it out (no module, the loss unchanged)
+        self.entropy = None if entropy_coef is None else lk.EntropyBonus(coef=entropy_coef)
         self.policy: Any = None  # a peft PeftModel, made in setup() on the pretrained weights
         self.ref_acc = float("nan")
         self.pretrain_seconds = 0.0
@@ -514,11 +536,17 @@ class HFGRPO(pl.LightningModule):
 
         dm = self.trainer.datamodule
         full = self.kl.spec.base == "full"
-        out = hf.response_logprobs(self.policy, seq, am, p, return_logits=full, **dm.scoring)
-        logprobs, logits = out if full else (out, None)
+        top = self.hparams.top_entropy
+        need_entropy = self.entropy is not None or top < 1
+        out = hf.response_logprobs(self.policy, seq, am, p, return_logits=full or need_entropy, **dm.scoring)
+        logprobs, logits = out if full or need_entropy else (out, None)
+        # the per-token entropy of the distribution the rollouts were drawn from (differentiable)
+        entropy = lk.token_entropy(logits, mask, **dm.scoring) if need_entropy else None
+        # the policy gradient on every valid token, or on the share `top` of highest entropy
+        pg_mask = mask if top == 1 else lk.high_entropy_mask(entropy.detach(), mask, top=top)
         ratio = torch.exp(logprobs - batch["logprobs"])  # token-level; 1 on the first step over a rollout
         clipped = ratio.clamp(1 - self.hparams.clip_eps, 1 + self.hparams.clip_eps)
-        pg_loss = lk.aggregate(-torch.minimum(ratio * adv, clipped * adv), mask, "token-mean")
+        pg_loss = lk.aggregate(-torch.minimum(ratio * adv, clipped * adv), pg_mask, "token-mean")
         if full:  # both models' softmaxes at the sampling temperature; the sampled log-probs carry the
             # KL-to-go term at the sequence level
             T = dm.sampling.temperature
@@ -528,12 +556,17 @@ class HFGRPO(pl.LightningModule):
             old = batch["logprobs"] if self.hparams.kl_old_logprob else None
             kl_loss = self.kl(logprobs, batch["ref_logprobs"], mask, old_logprob=old)
         loss = pg_loss + kl_loss
+        if self.entropy is not None:  # -coef x the token-mean entropy (its controller steps in the callback)
+            loss = loss + self.entropy(entropy=entropy, mask=mask)
 
         n = mask.shape[0]
         self.log("train/acc", batch["scores"].mean(), prog_bar=True, batch_size=n)
         self.log("train/reward", returns.mean(), prog_bar=True, batch_size=n)
         self.log("train/kl", lk.aggregate(batch["true_kl"], mask, "token-mean"), prog_bar=True, batch_size=n)
         self.log("train/kl_seq", batch["true_kl"].sum(-1).mean(), batch_size=n)
+        self.log("train/entropy", lk.aggregate(batch["entropy"], mask, "token-mean"), batch_size=n)
+        if top < 1:
+            self.log("train/pg_tokens", pg_mask.sum() / mask.sum().clamp(min=1), batch_size=n)
         if "ratio_full" in batch:  # the sampler against the scorer: full softmax vs processed
             lo, hi = hf.RATIO_BAND  # the band of lk.hf's own check (sampler_scores=)
             for name in ("full", "processed"):

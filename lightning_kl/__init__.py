@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import warnings
 from typing import Any, Optional
 
 from lightning_kl.ground.vector_math import settle_vector_math
@@ -11,7 +10,7 @@ from lightning_kl.ground.vector_math import settle_vector_math
 settle_vector_math()  # first of all: oneMKL picks its exp/log kernels at this call, in this thread (see there)
 
 from lightning_kl.accumulation import step_totals
-from lightning_kl.callback import KLRewardCallback
+from lightning_kl.callbacks.kl_reward import KLRewardCallback
 from lightning_kl.controllers import AdaptiveKLController, FixedKLController, KLController, KLSchedule, TargetKLController
 from lightning_kl.correction import RolloutCorrection
 from lightning_kl.entropy import EntropyBonus
@@ -21,8 +20,9 @@ from lightning_kl import hf  # imports neither transformers nor peft
 from lightning_kl.ground.sampler import Sampling
 from lightning_kl.ground.vocab_shards import VocabShard
 from lightning_kl.functional import AggMode, aggregate, kl_penalty
+from lightning_kl.ground.checks import warn_user
 from lightning_kl.high_entropy import high_entropy_mask
-from lightning_kl.logprobs import FromHidden, full_kl, token_entropy, token_logprobs
+from lightning_kl.logprobs import FromHidden, full_kl, token_entropy, token_logprobs, token_logprobs_and_entropy
 from lightning_kl.loss import KLPenaltyLoss
 from lightning_kl.metric import KLMetric
 from lightning_kl.mismatch import mismatch_metrics
@@ -30,7 +30,7 @@ from lightning_kl.mismatch_metric import MismatchMetric
 from lightning_kl.refresh import ReferenceRefresh
 from lightning_kl.rollouts import OnPolicyRollouts
 from lightning_kl.sequence import Level
-from lightning_kl.trainer_hooks import KLLossCallback
+from lightning_kl.callbacks.kl_loss import KLLossCallback
 
 __version__ = "0.2.0"
 
@@ -65,6 +65,7 @@ __all__ = [
     "step_totals",
     "token_entropy",
     "token_logprobs",
+    "token_logprobs_and_entropy",
 ]
 
 #: Names that left ``__all__``, reachable as ``lk.NAME`` for one more minor version with a
@@ -83,10 +84,10 @@ _DEPRECATED: dict[str, tuple[str, str, Optional[str]]] = {
     # functions and a type that warn themselves when called (naming the new call): no second warning here
     "token_logprobs_from_hidden": ("lightning_kl.logprobs", "token_logprobs_from_hidden", None),
     "full_kl_from_hidden": ("lightning_kl.logprobs", "full_kl_from_hidden", None),
-    "processed_logprobs": ("lightning_kl.sampling", "processed_logprobs", None),
-    "processed_logprobs_from_hidden": ("lightning_kl.sampling", "processed_logprobs_from_hidden", None),
-    "processed_full_kl": ("lightning_kl.sampling", "processed_full_kl", None),
-    "SampledLogprobs": ("lightning_kl.sampling", "SampledLogprobs", "lk.token_logprobs(..., sampling=, return_log_kept=True)"),
+    "processed_logprobs": ("lightning_kl.deprecated", "processed_logprobs", None),
+    "processed_logprobs_from_hidden": ("lightning_kl.deprecated", "processed_logprobs_from_hidden", None),
+    "processed_full_kl": ("lightning_kl.deprecated", "processed_full_kl", None),
+    "SampledLogprobs": ("lightning_kl.deprecated", "SampledLogprobs", "lk.token_logprobs(..., sampling=, return_log_kept=True)"),
 }
 
 
@@ -95,10 +96,6 @@ def __getattr__(name: str) -> Any:
     if name in _DEPRECATED:
         module, attribute, instead = _DEPRECATED[name]
         if instead is not None:
-            warnings.warn(
-                f"`lightning_kl.{name}` is deprecated and leaves in the next minor version: use {instead}.",
-                DeprecationWarning,
-                stacklevel=2,
-            )
+            warn_user(f"`lightning_kl.{name}` is deprecated and leaves in the next minor version: use {instead}.", DeprecationWarning)
         return getattr(importlib.import_module(module), attribute)
     raise AttributeError(f"module 'lightning_kl' has no attribute {name!r}")

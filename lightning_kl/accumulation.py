@@ -18,6 +18,8 @@ import torch
 from torch import Tensor
 
 from lightning_kl.ground.checks import check_mask
+from lightning_kl.inputs import check_accumulate_grad_batches  # noqa: F401  (checked with a call's inputs; named here for 0.2's callers)
+from lightning_kl.reduce import mask_counts
 
 __all__ = ["step_totals"]
 
@@ -64,15 +66,8 @@ def step_totals(masks: Sequence[Optional[Tensor]] | Tensor) -> dict[str, Tensor]
             raise ValueError(f"`step_totals`: micro-batch {i}'s mask must be a [..., t] tensor, got {got}.")
         m = check_mask(mask.detach(), mask, "mask")
         assert m is not None
-        tokens.append(torch.count_nonzero(m))
-        seqs.append(torch.count_nonzero(m.any(-1)))
+        n_tokens, n_seqs = mask_counts(m)
+        tokens.append(n_tokens)
+        seqs.append(n_seqs)
     return {"num_tokens": torch.stack(tokens).sum(), "num_seqs": torch.stack(seqs).sum()}
 
-
-def check_accumulate_grad_batches(k: object) -> int:
-    """Validate the number of micro-batches Lightning divides the loss by: a positive integer."""
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(
-            f"`accumulate_grad_batches` must be a positive integer (the Trainer's accumulate_grad_batches), got {k!r}."
-        )
-    return k

@@ -8,9 +8,11 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_kl.ground.parallel import check_parallel_args, data_parallel_group
+from lightning_kl.ground.checks import host_reads
+from lightning_kl.ground.parallel import DataParallelGroup, agree, check_parallel_args, data_parallel_group
 from lightning_kl.mismatch import (
     REJECTION_OPTIONS,
     WEIGHT_LEVELS,
@@ -46,6 +48,7 @@ VERL_DEFAULTS: dict[str, Any] = {
 }
 #: TRL's ``GRPOConfig`` fields read by :meth:`RolloutCorrection.from_trl` (TRL 1.16), with TRL's defaults
 TRL_DEFAULTS: dict[str, Any] = {
+    "use_vllm": False,
     "vllm_importance_sampling_correction": True,
     "vllm_importance_sampling_mode": "sequence_mask",
     "vllm_importance_sampling_clip_min": None,
@@ -115,6 +118,43 @@ def _read(cfg: Any, defaults: dict[str, Any], who: str, strict: bool) -> dict[st
     return out
 
 
+def _collective_device(x: Any, dp: DataParallelGroup) -> torch.device:
+    """Where this process's tensors for ``dp``'s collectives live, even when ``x`` is not a tensor."""
+    if isinstance(x, Tensor):
+        return x.device
+    if dist.get_backend(dp.group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _reduce_terms(
+    dp: DataParallelGroup, terms: Optional[Tensor], problem: Optional[str], device: torch.device
+) -> Tensor:
+    """Sum the batch mean's ``[sum, count]`` over ``dp`` with a count of the processes that refused their
+    inputs (``problem``, a message, or None), in one all-reduce; return the summed terms.
+
+    When a process refused its inputs, every process raises: where values are read on the host
+    (:func:`~lightning_kl.ground.checks.host_reads`) the same ``ValueError`` on each
+    (:func:`~lightning_kl.ground.parallel.agree` gathers the message); elsewhere no value is read on
+    the host per call: the refusing process raises its own error (the caller's) and the others stop
+    on a device assertion. When no process refused anything, nothing more is read than the flag
+    (on the host where values are read on the host, else nowhere).
+    """
+    if dp.size == 1 and terms is not None:
+        return terms
+    packed = torch.zeros(3, dtype=torch.float64, device=device)
+    if terms is not None:
+        packed[:2] = terms
+    packed[2] = float(problem is not None)
+    dp.all_reduce_sum(packed)
+    if host_reads(packed.device):
+        if bool(packed[2] > 0):
+            agree(problem, dp.group)  # every process raises the same error
+    elif problem is None:  # (the refusing process raises its own error on return)
+        torch._assert_async(packed[2] == 0, "RolloutCorrection: another data parallel process refused its inputs")
+    return packed[:2]
+
+
 class RolloutCorrection(nn.Module):
     r"""Importance weights and a rejection mask for responses sampled by a rollout engine.
 
@@ -139,9 +179,13 @@ class RolloutCorrection(nn.Module):
       :math:`\log\mu - \log\pi` exceeds it leaves the mask. Needs ``advantages``.
     * **bypass**: the engine's log-probs serve as the old log-probs (verl's ``bypass_mode``): the
       result's ``old_logprob`` is ``rollout_logprob``, and ``logprob`` is then the current policy's.
+    * **return_weights=False**: the weights are measured (their statistics are in ``.metrics``) but
+      not returned (``.weights`` is None), for a loss whose ratio already is the importance weight:
+      verl's bypass ``ppo_clip``, where :math:`\pi_\theta/\mu` is the PPO ratio, and a weight applied on
+      top of it would count it twice.
 
     Calling it returns a :class:`RolloutCorrectionResult`: ``.weights`` (detached; None when
-    ``weights=None``), ``.mask`` (the kept tokens), ``.metrics`` (0-d tensors, no host read),
+    ``weights=None`` or ``return_weights=False``), ``.mask (the kept tokens), ``.metrics`` (0-d tensors, no host read),
     ``.old_logprob``. Into the loss (``docs/mismatch.md``)::
 
         fix = self.correction(old_logprob, batch["rollout_logprobs"], mask)     # in training_step
@@ -161,6 +205,7 @@ class RolloutCorrection(nn.Module):
             a ``k1`` option takes ``"lower_upper"`` ratio bounds.
         offpolicy_mask_threshold: the :math:`\delta` of DeepSeek-V3.2's off-policy sequence mask, or None.
         bypass: the engine's log-probs are the old log-probs.
+        return_weights: False to measure the weights without returning them (``.weights`` None).
         process_group, device_mesh: the data parallel group of ``batch_normalize`` (default: found by
             itself, as :class:`~lightning_kl.KLMetric` does).
 
@@ -191,6 +236,7 @@ class RolloutCorrection(nn.Module):
         rejection_threshold: Optional[Union[float, str, list[Union[float, str]]]] = None,
         offpolicy_mask_threshold: Optional[float] = None,
         bypass: bool = False,
+        return_weights: bool = True,
         process_group: Any = None,
         device_mesh: Any = None,
     ) -> None:
@@ -224,6 +270,11 @@ class RolloutCorrection(nn.Module):
         if not isinstance(bypass, bool):
             raise TypeError(f"`bypass` must be a bool, got {bypass!r}.")
         self.bypass = bypass
+        if not isinstance(return_weights, bool):
+            raise TypeError(f"`return_weights` must be a bool, got {return_weights!r}.")
+        if not return_weights and self.weights is None:
+            raise ValueError("`return_weights=False` measures the weights without returning them, but `weights` is None.")
+        self.return_weights = return_weights
         check_parallel_args(process_group, device_mesh)
         self.data_parallel = (process_group, device_mesh)
 
@@ -233,6 +284,8 @@ class RolloutCorrection(nn.Module):
             parts += [f"mode={self.mode!r}", f"lower={self.lower}", f"upper={self.upper}"]
             if self.batch_normalize:
                 parts.append("batch_normalize=True")
+            if not self.return_weights:
+                parts.append("return_weights=False")
         if self.rejection:
             parts.append(f"rejection={[o.name for o in self.rejection]}")
         if self.offpolicy_mask_threshold is not None:
@@ -256,17 +309,22 @@ class RolloutCorrection(nn.Module):
             rollout_logprob: ``[..., t]`` the engine's log-probs of the same tokens.
             mask: optional ``[..., t]`` mask, True on response tokens.
             advantages: ``[...]``, ``[..., 1]`` or ``[..., t]``; needed by ``offpolicy_mask_threshold``.
+
+        Raises:
+            TypeError, ValueError: for bad inputs. With ``batch_normalize`` on several processes, an
+                input refused on one process is refused on every one, with the same ``ValueError``
+                (naming the rank that found it), where the others would wait in the all-reduce.
         """
-        mask = check_mismatch_inputs(logprob, rollout_logprob, mask)
+        dp = data_parallel_group(*self.data_parallel) if self.batch_normalize else None
+        try:
+            mask = self._check(logprob, rollout_logprob, mask, advantages)
+        except (TypeError, ValueError) as err:
+            if dp is None or dp.size == 1:
+                raise
+            # the other processes are on their way to the all-reduce of the mean weight: meet them there
+            _reduce_terms(dp, None, str(err), _collective_device(logprob, dp))
+            raise  # the device form: the others stop on a device assertion
         m = torch.ones(logprob.shape, dtype=torch.bool, device=logprob.device) if mask is None else mask
-        if self.offpolicy_mask_threshold is not None:
-            if not isinstance(advantages, Tensor):
-                raise ValueError("`offpolicy_mask_threshold` is set: pass `advantages` (the sequences' advantages).")
-            if advantages.shape not in (m.shape, m.shape[:-1], (*m.shape[:-1], 1)):
-                raise ValueError(
-                    f"`advantages` must be [...], [..., 1] or [..., t] for log-probs {tuple(m.shape)}, got "
-                    f"{tuple(advantages.shape)}."
-                )
         dtype = dtype_of(logprob, rollout_logprob)
         lr = log_ratio(logprob, rollout_logprob, m, dtype)
         metrics: dict[str, Tensor] = {}
@@ -275,7 +333,8 @@ class RolloutCorrection(nn.Module):
             raw, weights = importance_weights(lr, m, self.weights, self.mode, self.lower, self.upper)
             metrics.update(weight_metrics(raw, weights, lr, m, self.weights, self.mode, self.lower, self.upper))
             if self.batch_normalize:
-                terms = data_parallel_group(*self.data_parallel).all_reduce_sum(weight_mean_terms(weights, m, self.weights))
+                assert dp is not None
+                terms = _reduce_terms(dp, weight_mean_terms(weights, m, self.weights), None, weights.device)
                 weights, metrics["rollout_is_batch_norm_factor"] = normalize_weights(weights, terms)
         keep = m
         if self.rejection:
@@ -289,7 +348,25 @@ class RolloutCorrection(nn.Module):
             keep = keep & kept
         metrics.update(mismatch_compute(mismatch_totals(logprob, rollout_logprob, mask)))
         old = rollout_logprob if self.bypass else logprob.detach()
+        if not self.return_weights:
+            weights = None  # measured above, in the metrics, as verl's bypass ppo_clip
         return RolloutCorrectionResult(weights=weights, mask=keep, metrics=metrics, old_logprob=old)
+
+    def _check(
+        self, logprob: Tensor, rollout_logprob: Tensor, mask: Optional[Tensor], advantages: Optional[Tensor]
+    ) -> Optional[Tensor]:
+        """The checked mask (bool, or None); raises for bad inputs."""
+        mask = check_mismatch_inputs(logprob, rollout_logprob, mask)
+        if self.offpolicy_mask_threshold is not None:
+            shape = logprob.shape
+            if not isinstance(advantages, Tensor):
+                raise ValueError("`offpolicy_mask_threshold` is set: pass `advantages` (the sequences' advantages).")
+            if advantages.shape not in (shape, shape[:-1], (*shape[:-1], 1)):
+                raise ValueError(
+                    f"`advantages` must be [...], [..., 1] or [..., t] for log-probs {tuple(shape)}, got "
+                    f"{tuple(advantages.shape)}."
+                )
+        return mask
 
     # ------------------------------------------------------------------------------------------
     # each stack's own configuration, verbatim
@@ -301,7 +378,11 @@ class RolloutCorrection(nn.Module):
         ``rollout_is`` (None, ``"token"``, ``"sequence"``) with ``rollout_is_threshold`` (a number:
         TIS at that upper bound; ``"lower_upper"``: IcePop), ``rollout_is_batch_normalize``,
         ``rollout_rs`` and ``rollout_rs_threshold`` (rejection), ``bypass_mode``; ``loss_type``
-        names verl's policy loss (``docs/mismatch.md`` has the recipe of each), checked only.
+        names verl's policy loss in bypass mode (``docs/mismatch.md`` has the recipe of each). With
+        ``bypass_mode`` and ``loss_type="ppo_clip"`` verl measures the weights but does not apply them
+        (its PPO ratio, the current policy's over the engine's, already is the importance weight): the
+        result's ``weights`` is then None and their statistics are in ``metrics``
+        (``return_weights=False``).
         Missing keys take verl's defaults. ``kwargs`` go to the constructor (``process_group``...).
 
         Raises:
@@ -331,28 +412,37 @@ class RolloutCorrection(nn.Module):
             args["batch_normalize"] = bool(c["rollout_is_batch_normalize"])
         args.update(rejection=c["rollout_rs"], rejection_threshold=c["rollout_rs_threshold"] if c["rollout_rs"] else None)
         args["bypass"] = bool(c["bypass_mode"])
+        if args["bypass"] and c["loss_type"] == "ppo_clip" and args["weights"] is not None:
+            args["return_weights"] = False  # verl: "DO NOT apply IS weights - would be double-counting!"
         return cls(**args, **kwargs)
 
     @classmethod
     def from_trl(cls, cfg: Any, **kwargs: Any) -> "RolloutCorrection":
         """From TRL's ``GRPOConfig`` (TRL 1.16) or a mapping of its fields; other fields are ignored.
 
-        ``vllm_importance_sampling_mode`` (``{token,sequence}_{truncate,mask}``) with
+        TRL corrects the mismatch only when vLLM generates (``use_vllm=True``; its default, False,
+        samples with the trained model itself, and ``GRPOTrainer`` then computes no importance
+        weight): there ``vllm_importance_sampling_mode`` (``{token,sequence}_{truncate,mask}``) with
         ``vllm_importance_sampling_clip_min`` / ``_clip_max`` (``_cap``, deprecated, is ``_clip_max``),
-        ``vllm_importance_sampling_correction=False`` for no weights, and ``off_policy_mask_threshold``.
+        and ``vllm_importance_sampling_correction=False`` for no weights. Without vLLM, or without the
+        correction, ``weights`` is None. ``off_policy_mask_threshold`` applies either way, as in TRL.
 
         Example:
-            >>> RolloutCorrection.from_trl({"vllm_importance_sampling_mode": "token_truncate"})
+            >>> RolloutCorrection.from_trl({"use_vllm": True, "vllm_importance_sampling_mode": "token_truncate"})
             RolloutCorrection(weights='token', mode='truncate', lower=None, upper=3.0)
+            >>> RolloutCorrection.from_trl({})  # GRPOConfig's defaults: no vLLM, no importance weights
+            RolloutCorrection(weights=None)
         """
         c = _read(cfg, TRL_DEFAULTS, "TRL", strict=False)
+        if not isinstance(c["use_vllm"], bool):
+            raise TypeError(f"`use_vllm` must be a bool, got {c['use_vllm']!r}.")
         mode = _choice("vllm_importance_sampling_mode", c["vllm_importance_sampling_mode"], TRL_MODES)
         upper = c["vllm_importance_sampling_clip_max"]
         if c["vllm_importance_sampling_cap"] is not None:
             upper = c["vllm_importance_sampling_cap"]
         level, how = mode.split("_")
         args: dict[str, Any] = {"weights": None, "upper": None}
-        if c["vllm_importance_sampling_correction"]:
+        if c["use_vllm"] and c["vllm_importance_sampling_correction"]:
             args = {"weights": level, "mode": how, "lower": c["vllm_importance_sampling_clip_min"], "upper": upper}
         return cls(**args, offpolicy_mask_threshold=c["off_policy_mask_threshold"], **kwargs)
 

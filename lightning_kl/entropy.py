@@ -5,7 +5,7 @@ raises the policy's entropy :math:`H` (the entropy of the distribution the sampl
 logits, hidden states and an LM head, or vocabulary shards: :func:`~lightning_kl.token_entropy`).
 The coefficient is a number or a controller (:class:`~lightning_kl.TargetEntropyController`, a
 :class:`~lightning_kl.KLSchedule` of one), closed once per optimizer step by the
-:class:`~lightning_kl.trainer_hooks.KLLossCallback` every Trainer gets, as for
+:class:`~lightning_kl.KLLossCallback` every Trainer gets, as for
 :class:`~lightning_kl.KLPenaltyLoss`.
 """
 
@@ -19,7 +19,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_kl.controllers import KLController
-from lightning_kl.functional import AggMode, aggregate_checked, check_agg_mode
+from lightning_kl.reduce import AggMode, aggregate_checked, check_agg_mode
 from lightning_kl.ground.checks import check_floating, check_mask
 from lightning_kl.ground.parallel import check_parallel_args, data_parallel_group
 from lightning_kl.ground.sampler import Sampling
@@ -93,7 +93,7 @@ class EntropyBonus(nn.Module):
     **Control.** As for :class:`~lightning_kl.KLPenaltyLoss`: the controller's coefficient is a
     float64 tensor on the device (no host read); :meth:`update_coef` closes the step (one
     ``all_reduce`` of three numbers over the data parallel group); the Trainer's
-    :class:`~lightning_kl.trainer_hooks.KLLossCallback` calls it in ``on_before_optimizer_step`` and
+    :class:`~lightning_kl.KLLossCallback` calls it in ``on_before_optimizer_step`` and
     logs ``entropy/coef`` (the coefficient the step used) and ``entropy/value`` (the step's global
     entropy). The controller's state is in the module's ``state_dict`` (a checkpoint resumes it
     exactly).
@@ -211,6 +211,11 @@ class EntropyBonus(nn.Module):
         entropy, n = stats[0] / stats[1], stats[1]
         self.controller.update(entropy, n)
         return coef, torch.where(n >= 1, entropy, float("nan"))
+
+    def reset_step(self) -> None:
+        """Drop the sums of an optimizer step left open (a fit stopped inside an accumulation window): done by
+        :class:`~lightning_kl.KLLossCallback` when a fit starts and ends, as for ``KLPenaltyLoss``."""
+        self._step_stats = None
 
     def get_extra_state(self) -> dict[str, Any]:
         """The controller's state, in the module's ``state_dict`` (empty for a number ``coef``)."""

@@ -11,7 +11,10 @@ What every user of a ``transformers`` causal LM needs between ``model.generate``
   adapters switched off and without gradient. With ``peft`` adapters on a frozen base model, the
   base model *is* the reference, so the reference costs no second copy of the weights;
 * :func:`sampler_agreement`: the scorer's log-probs against what ``generate`` drew from (its
-  processed scores), the check behind ``response_logprobs(..., sampler_scores=out.scores)``.
+  processed scores), the check behind ``response_logprobs(..., sampler_scores=out.scores)``;
+* :func:`from_hidden` and :func:`logit_transform`: the model's LM head as an
+  :class:`lightning_kl.FromHidden`, with the logit scale and the soft cap its config sets (Gemma 2/3's
+  ``final_logit_softcapping``, Cohere's ``logit_scale``, Granite's ``logits_scaling``).
 
 One :class:`lightning_kl.Sampling` configures both sides: ``model.generate(**sampling.generate_kwargs())``
 draws from exactly the distribution that ``response_logprobs(..., sampling=sampling)`` scores. The
@@ -47,15 +50,17 @@ import torch
 from torch import Tensor
 
 from lightning_kl.ground.checks import check_temperature
-from lightning_kl.ground.sampler import Sampling, remember_sampler, remembered_sampler
-from lightning_kl.kernels.processing import check_processing
-from lightning_kl.logprobs import token_logprobs
+from lightning_kl.ground.sampler import Sampling, check_processing, remember_sampler, remembered_sampler
+from lightning_kl.inputs import check_logit_transform
+from lightning_kl.logprobs import FromHidden, token_logprobs
 
 __all__ = [
     "RATIO_BAND",
     "SamplerAgreement",
     "SamplerMismatchWarning",
     "adapters_disabled",
+    "from_hidden",
+    "logit_transform",
     "reference_logprobs",
     "response_logits",
     "response_logprobs",
@@ -555,3 +560,85 @@ def reference_logprobs(
     with adapters_disabled(model):
         return _score(model, sequences, attention_mask, prompt_length, sampling, return_logits, kept_from, outside,
                       None, remember=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# the LM head as lk.FromHidden, with what the model does to its logits
+
+#: ``model_type`` prefixes whose forward multiplies the logits by ``config.logit_scale`` (Cohere, Command R)
+_MULTIPLY_BY_LOGIT_SCALE = ("cohere",)
+#: ``model_type`` prefixes whose forward divides the logits by ``config.logits_scaling`` (Granite)
+_DIVIDE_BY_LOGITS_SCALING = ("granite",)
+
+
+def logit_transform(model: Any) -> dict[str, Optional[float]]:
+    r"""The logit scale and the soft cap that ``model``'s forward applies to its LM head's output.
+
+    ``{"logit_scale": s, "softcap": c}``, read from the (text) config of a ``transformers`` model (or
+    a config), to pass on: ``lk.FromHidden(hidden, weight, **lk.hf.logit_transform(model))`` gives
+    the model's own logits :math:`c \tanh(s\,(h W^T + b) / c)`. Read as the models apply them
+    (``transformers`` 5): ``final_logit_softcapping`` of any model is :math:`c` (Gemma 2, Gemma 3 and
+    every model that copies their forward); ``logit_scale`` of a Cohere model multiplies the logits;
+    ``logits_scaling`` of a Granite model divides them (:math:`s = 1 / \texttt{logits\_scaling}`).
+
+    Raises:
+        ValueError: for a config that sets ``logit_scale`` or ``logits_scaling`` (other than 1) on a
+            model type this function does not know: models apply them differently (HyperCLOVA X
+            multiplies by ``logits_scaling``, MiniCPM3 divides its hidden states, MPT's forward ignores
+            ``logit_scale``), and a guess would give other logits than the model's, silently. Read the
+            model's forward and pass ``lk.FromHidden(..., logit_scale=, softcap=)`` yourself.
+        TypeError, ValueError: for values that :class:`lightning_kl.FromHidden` refuses.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> logit_transform(SimpleNamespace(model_type="gemma2", final_logit_softcapping=30.0))
+        {'logit_scale': 1.0, 'softcap': 30.0}
+    """
+    config = getattr(model, "config", model)
+    if callable(getattr(config, "get_text_config", None)):
+        config = config.get_text_config(decoder=True)  # a vision-language model's text side
+    kind = str(getattr(config, "model_type", "") or "")
+    softcap = getattr(config, "final_logit_softcapping", None)
+    scale: Any = 1.0
+    for attr, known, how in (
+        ("logit_scale", _MULTIPLY_BY_LOGIT_SCALE, lambda v: v),
+        ("logits_scaling", _DIVIDE_BY_LOGITS_SCALING, lambda v: 1.0 / v),
+    ):
+        value = getattr(config, attr, None)
+        if value is None:
+            continue
+        if kind.startswith(known):
+            scale = how(value)
+        elif value != 1:
+            raise ValueError(
+                f"the config of model type {kind!r} sets {attr}={value!r}, which lk.hf does not know how this model "
+                f"applies (it reads {attr} for model types {list(known)}): pass "
+                "lk.FromHidden(hidden, weight, bias, logit_scale=..., softcap=...) as the model's forward makes its logits."
+            )
+    logit_scale, cap = check_logit_transform(scale, softcap)
+    return {"logit_scale": logit_scale, "softcap": cap}
+
+
+def from_hidden(model: Any, hidden: Tensor) -> FromHidden:
+    r"""``model``'s LM head applied to ``hidden`` as an :class:`lightning_kl.FromHidden`: the output
+    embeddings' weight and bias, and :func:`logit_transform`'s scale and cap.
+
+    ``hidden`` ``[..., d]``: the last hidden states, after the final norm (``output_hidden_states=True``
+    gives them as ``out.hidden_states[-1]``), shifted as the logits would be. Then
+    ``lk.token_logprobs(lk.hf.from_hidden(model, hidden), tokens)`` are the log-probs of the model's
+    own logits, with no ``[..., V]`` tensor made. Under FSDP2 (a sharded head) or tensor parallelism (a
+    column-parallel head), build ``lk.FromHidden(hidden, weight, **lk.hf.logit_transform(model))`` with
+    the unsharded weight or an :class:`lightning_kl.VocabShard` instead.
+
+    Raises:
+        TypeError: if ``model`` has no output embeddings (``get_output_embeddings()``) with a ``weight``.
+        ValueError: as :func:`logit_transform`.
+    """
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if head is None or not isinstance(getattr(head, "weight", None), Tensor):
+        raise TypeError(
+            f"{type(model).__name__} has no LM head to read (`get_output_embeddings()` with a `weight`): pass "
+            "lk.FromHidden(hidden, weight, bias, **lk.hf.logit_transform(model)) with the head's tensors."
+        )
+    return FromHidden(hidden, head.weight, getattr(head, "bias", None), **logit_transform(model))

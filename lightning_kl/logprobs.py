@@ -1,4 +1,5 @@
-r"""Functions over the whole vocabulary: token log-probs, the exact KL, the token entropy.
+r"""Functions over the whole vocabulary: token log-probs, the exact KL, the token entropy (and the
+log-probs with the entropy, in one pass).
 
 Shapes: ``...`` any leading dims (``[b, t]`` for a batch of sequences), ``V`` the vocabulary, ``d``
 the hidden size. Each function takes its model's output as ``x``, in any of four forms:
@@ -6,9 +7,9 @@ the hidden size. Each function takes its model's output as ``x``, in any of four
 * logits ``[..., V]`` (any layout: ``logits[:, :-1]`` is read in place, never copied whole);
 * a vocabulary-sharded DTensor (``Shard(-1)``) or an :class:`~lightning_kl.VocabShard`: this rank's
   columns of logits split over a tensor parallel group, never gathered (``docs/vocabulary.md``);
-* an :class:`FromHidden` ``(hidden, weight, bias)``: the logits ``hidden @ weight.T + bias`` made
-  chunk by chunk, never whole (``weight`` may be a :class:`~lightning_kl.VocabShard` of a
-  column-parallel head's rows).
+* an :class:`FromHidden` ``(hidden, weight, bias, logit_scale=, softcap=)``: the logits
+  ``hidden @ weight.T + bias`` (scaled and soft-capped as the model does) made chunk by chunk,
+  never whole (``weight`` may be a :class:`~lightning_kl.VocabShard` of a column-parallel head's rows).
 
 and an optional sampler, ``sampling=lk.Sampling(temperature, top_k, top_p, min_p)``: the
 distribution is then the one the sampler draws from (``generate``'s order and ties). Every function
@@ -33,25 +34,45 @@ from lightning_kl.ground.checks import (
     check_matching,
     check_values,
 )
-from lightning_kl.vocab_inputs import check_chunk_size, check_full_hidden_inputs, check_full_inputs, check_head, check_tokens
+from lightning_kl.inputs import check_chunk_size, check_full_hidden_inputs, check_full_inputs, check_head, check_logit_transform, check_tokens
 from lightning_kl.ground.sampler import Sampling
 from lightning_kl.ground.vocab_shards import VocabShard, is_vocab_parallel
-from lightning_kl.kernels.engine import REFERENCES, Partition, Tensors, entropy_kernel, full_kl_kernel, token_logprobs_kernel
+from lightning_kl.kernels.engine import REFERENCES, Head, Partition, Tensors, entropy_kernel, full_kl_kernel, token_logprobs_kernel
+from lightning_kl.kernels.engine import token_logprobs_entropy_kernel
 from lightning_kl.kernels.full import head_source, logits_source, same_partition
 
-__all__ = ["OUTSIDE_MODES", "REFERENCES", "FromHidden", "full_kl", "full_kl_from_hidden", "token_entropy", "token_logprobs", "token_logprobs_from_hidden"]
+__all__ = ["OUTSIDE_MODES", "REFERENCES", "FromHidden", "full_kl", "full_kl_from_hidden", "token_entropy", "token_logprobs"]
+__all__ += ["token_logprobs_and_entropy", "token_logprobs_from_hidden"]
 
 #: What to do with a token outside the sampler's kept set: ``"raise"`` (the sampler and the scorer
 #: disagree) or ``"-inf"`` (its processed log-prob, e.g. a reference's own processed distribution).
 OUTSIDE_MODES = ("raise", "-inf")
 
 
-class FromHidden(NamedTuple):
-    r"""Logits given as the last hidden states and the LM head: ``hidden @ weight.T + bias``.
+class _FromHiddenFields(NamedTuple):
+    hidden: Tensor
+    weight: Tensor | VocabShard
+    bias: Optional[Tensor] = None
+    logit_scale: float = 1.0
+    softcap: Optional[float] = None
+
+
+class FromHidden(_FromHiddenFields):
+    r"""Logits given as the last hidden states and the LM head, with the head's logit scale and soft cap.
+
+    .. math::
+        a = h W^T + b, \qquad z = c \tanh\Big(\frac{s\,a}{c}\Big) \quad (z = s\,a \text{ without a cap})
+
+    :math:`s` = ``logit_scale`` (Cohere's ``logit_scale``, which multiplies the logits), :math:`c` =
+    ``softcap`` (Gemma 2/3's ``final_logit_softcapping``); the defaults give ``hidden @ weight.T + bias``.
+    A sampler's temperature then divides :math:`z`, as ``generate`` does. :func:`lightning_kl.hf.from_hidden`
+    reads both from a ``transformers`` model's config.
 
     Pass one in place of logits to :func:`~lightning_kl.token_logprobs`, :func:`~lightning_kl.full_kl`,
     :func:`~lightning_kl.token_entropy` or ``KLPenaltyLoss("full")``: the ``[..., V]`` logits are made
-    chunk by chunk, in forward and again in backward, and never exist whole::
+    chunk by chunk, in forward and again in backward, and never exist whole; the gradients w.r.t.
+    ``hidden``, ``weight`` and ``bias`` go through the scale and the cap exactly
+    (:math:`dz/da = s\,\mathrm{sech}^2(s a / c)`, from the pre-activation, chunk by chunk)::
 
         kl = lk.full_kl(lk.FromHidden(hidden, self.policy.lm_head.weight),
                         lk.FromHidden(ref_hidden, self.ref.lm_head.weight), mask)
@@ -61,11 +82,39 @@ class FromHidden(NamedTuple):
         weight: ``[V, d]`` the LM head, or a :class:`~lightning_kl.VocabShard` of this rank's rows
             ``[V_local, d]`` of a column-parallel head (the hidden states' gradient is summed over its group).
         bias: optional ``[V]`` head bias (``[V_local]``, this rank's slice, for a shard).
+        logit_scale: keyword only: a finite number > 0 that multiplies the logits (default 1).
+        softcap: keyword only: None (no cap, the default) or a finite number > 0, the cap :math:`c`.
+
+    Raises:
+        TypeError: for a ``logit_scale`` or ``softcap`` that is not a real number (named).
+        ValueError: for one out of range (named, with the range).
+
+    Example:
+        >>> h, w = torch.tensor([[1.0, 2.0]]), torch.tensor([[3.0, 0.0], [0.0, 1.0]])
+        >>> token_logprobs(FromHidden(h, w, softcap=2.0), torch.tensor([0]))  # z = 2 tanh([3, 2] / 2)
+        tensor([-0.5599])
     """
 
-    hidden: Tensor
-    weight: Tensor | VocabShard
-    bias: Optional[Tensor] = None
+    __slots__ = ()
+
+    def __new__(
+        cls, hidden: Tensor, weight: Tensor | VocabShard, bias: Optional[Tensor] = None, *, logit_scale: float = 1.0, softcap: Optional[float] = None
+    ) -> "FromHidden":
+        logit_scale, softcap = check_logit_transform(logit_scale, softcap)
+        return super().__new__(cls, hidden, weight, bias, logit_scale, softcap)
+
+    def __getnewargs_ex__(self) -> tuple[tuple[Any, ...], dict[str, Any]]:  # pickle and copy: the keywords by name
+        return (self.hidden, self.weight, self.bias), {"logit_scale": self.logit_scale, "softcap": self.softcap}
+
+    @classmethod
+    def _make(cls, iterable: Any) -> "FromHidden":  # _replace goes through here: checked too
+        hidden, weight, bias, logit_scale, softcap = iterable
+        return cls(hidden, weight, bias, logit_scale=logit_scale, softcap=softcap)
+
+
+def _head(x: FromHidden) -> Head:
+    """What ``x``'s head does after its matmul, for the engine."""
+    return Head(x.logit_scale, x.softcap)
 
 
 _LEGACY = ("temperature", "top_k", "top_p", "min_p")
@@ -105,7 +154,7 @@ def _source(x: Any, name: str, sampling: Sampling) -> tuple[Tensors, Partition, 
         )
     if hidden:
         check_head(x.hidden, x.weight, x.bias, prefix="" if name == "x" else "ref_")
-        src, part = head_source(x.hidden, x.weight, x.bias, "weight" if name == "x" else "ref_weight")
+        src, part = head_source(x.hidden, x.weight, x.bias, "weight" if name == "x" else "ref_weight", _head(x))
     else:
         if not is_vocab_parallel(x):
             check_floating(name, x)
@@ -197,7 +246,7 @@ def token_logprobs(
         >>> logits = torch.tensor([[0.0, 0.0], [2.0, 1.0]], requires_grad=True)
         >>> lp = token_logprobs(logits, torch.tensor([1, -100]), ignore_index=-100)
         >>> lp  # log(1/2); the ignored token gives 0
-        tensor([-0.6931,  0.0000], grad_fn=<_LogProbBackward>)
+        tensor([-0.6931,  0.0000], grad_fn=<_RowsBackward>)
         >>> lp.sum().backward(); logits.grad[0]  # one-hot minus softmax
         tensor([-0.5000,  0.5000])
         >>> z = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
@@ -274,6 +323,47 @@ def token_entropy(
     return entropy_kernel(src, None if mask is None else ~mask.reshape(-1), proc, part, chunk_size)
 
 
+def token_logprobs_and_entropy(
+    x: Tensor | VocabShard | FromHidden,
+    tokens: Tensor,
+    *,
+    sampling: Optional[Sampling] = None,
+    ignore_index: Optional[int] = None,
+    outside: str = "raise",
+    chunk_size: Optional[int] = None,
+) -> tuple[Tensor, Tensor]:
+    r""":func:`token_logprobs` and :func:`token_entropy` from one read of the vocabulary per chunk.
+
+    One forward and one backward for both: the backward writes the sum of both gradients,
+    :math:`(g_{\log p}([i = y] - \tilde p_i) - g_H \tilde p_i (\log \tilde p_i + H)) / T`, through one
+    writer (from a head: one float32 ``[V, d]`` accumulator, not two). The values equal the two calls';
+    the entropy is that of the distribution the log-probs are taken under (the sampler's processed one).
+    ``x``, ``tokens``, ``sampling``, ``ignore_index`` (0 in both outputs, zero gradient), ``outside``
+    (the log-prob; the entropy is the row's) and ``chunk_size`` as :func:`token_logprobs`, whose errors it raises.
+
+    Returns:
+        ``(logprobs, entropy)``, each ``[...]``, float32 (float64 for float64 inputs).
+
+    Example:
+        >>> logits = torch.tensor([[0.0, 0.0], [2.0, 1.0]], requires_grad=True)
+        >>> lp, ent = token_logprobs_and_entropy(logits, torch.tensor([1, -100]), ignore_index=-100)
+        >>> lp, ent  # log(1/2) and log 2; the ignored token gives 0 and 0
+        (tensor([-0.6931,  0.0000], grad_fn=<_RowsBackward>), tensor([0.6931, 0.0000], grad_fn=<_RowsBackward>))
+        >>> (lp + ent).sum().backward(); logits.grad[0]  # one-hot minus softmax; H is flat at the uniform
+        tensor([-0.5000,  0.5000])
+    """
+    proc = _sampling(sampling, {}, "token_logprobs_and_entropy")
+    src, part, lead = _source(x, "x" if isinstance(x, FromHidden) else "logits", proc)
+    outside = _check_outside(outside)
+    check_chunk_size(chunk_size)
+    vocab = None if part.split else (src.x.shape[-1] if src.weight is None else src.weight.shape[0])
+    ids, ignored = check_tokens(tokens, lead.shape[:-1], vocab, lead.device, "hidden" if src.weight is not None else "logits", ignore_index)
+    lp, ent, out = token_logprobs_entropy_kernel(src, ids, ignored, proc, part, chunk_size)
+    if proc.truncates and outside == "raise":
+        _report_outside(out, tokens, proc)
+    return lp, ent
+
+
 def full_kl(
     x: Tensor | VocabShard | FromHidden,
     ref_x: Tensor | VocabShard | FromHidden,
@@ -343,7 +433,7 @@ def full_kl(
     if hidden[0] != hidden[1]:
         raise TypeError("`x` and `ref_x` must both be logits (or vocabulary shards) or both lk.FromHidden, not one of each.")
     if hidden[0]:
-        mask = check_full_hidden_inputs(*x, *ref_x, mask)
+        mask = check_full_hidden_inputs(x.hidden, x.weight, x.bias, ref_x.hidden, ref_x.weight, ref_x.bias, mask)
     else:
         mask = check_full_inputs(x, ref_x, mask)
     (src, part, _), (ref, ref_part, _) = _source(x, "x" if hidden[0] else "logits", proc), _source(ref_x, "ref_x" if hidden[0] else "ref_logits", proc)

@@ -7,68 +7,41 @@ import weakref
 from typing import Any, Optional, Union
 
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
-from lightning_kl.accumulation import check_accumulate_grad_batches
+from lightning_kl.coefficient import Coefficient
+from lightning_kl.compute import check_max_weight, kl_penalty_values
 from lightning_kl.controllers import KLController
 from lightning_kl.estimators import EstimatorName, parse_estimator
-from lightning_kl.functional import (
-    AggMode,
-    aggregate_checked,
-    aggregate_counts_checked,
-    check_agg_mode,
-    check_count,
-    check_kl_inputs,
-    check_max_weight,
-    kl_penalty_values,
-    resolve_sampling,
-)
+from lightning_kl.ground.checks import warn_user
 from lightning_kl.ground.parallel import check_parallel_args, data_parallel_group
 from lightning_kl.ground.sampler import Sampling
+from lightning_kl.inputs import check_kl_inputs, resolve_sampling
 from lightning_kl.logprobs import FromHidden
 from lightning_kl.metric import KLMetric
+from lightning_kl.reduce import COUNT_OF_MODE, AggMode, check_agg_mode, controlled_kl_statistics, reduce_kl
 from lightning_kl.sequence import Level, check_kl_to_go, check_level, check_sequence_agg
 
-__all__ = ["KLPenaltyLoss"]
+__all__ = ["KLPenaltyLoss", "controlled_kl_statistics", "live_losses"]
+
+# every KLPenaltyLoss alive in the process, for KLLossCallback (which acts only when there is one)
+_LIVE: "weakref.WeakSet[KLPenaltyLoss]" = weakref.WeakSet()
 
 
-def controlled_kl_statistics(kl: Tensor, mask: Optional[Tensor], agg: str) -> Tensor:
-    """The KL sums a controller of the loss sees: float64 ``[sum, count, sequences]`` of a micro-batch.
-
-    ``sum / count`` is the loss's KL in the units of ``agg``: per token (``token-mean``: over valid
-    tokens; ``seq-mean-token-mean``: the mean of the sequences' token-means) or per response (the
-    other modes: the mean of the non-empty sequences' sums). ``sequences`` counts the sequences with
-    a valid token. Detached; masked positions never enter.
-    """
-    v = kl.detach().to(torch.float64)
-    if v.ndim == 0:
-        v = v.reshape(1, 1)
-    m = torch.ones_like(v, dtype=torch.bool) if mask is None else mask.reshape(v.shape)
-    v = torch.where(m, v, torch.zeros((), dtype=v.dtype, device=v.device))
-    tokens = m.sum(-1)
-    valid = tokens > 0
-    n_seqs = valid.sum().to(torch.float64)
-    if agg == "token-mean":
-        total, count = v.sum(), tokens.sum().to(torch.float64)
-    elif agg == "seq-mean-token-mean":
-        means = v.sum(-1) / tokens.clamp(min=1)
-        total, count = torch.where(valid, means, torch.zeros((), dtype=v.dtype, device=v.device)).sum(), n_seqs
-    else:
-        total, count = v.sum(), n_seqs
-    return torch.stack([total, count, n_seqs])
-
-
-# the count each aggregation mode divides by: 0 valid tokens, 1 sequences (the others divide by none)
-_COUNT_OF_MODE = {"token-mean": 0, "seq-mean-token-sum": 1, "seq-mean-token-mean": 1}
+def live_losses() -> list["KLPenaltyLoss"]:
+    """The :class:`KLPenaltyLoss` objects alive in this process."""
+    return list(_LIVE)
 
 
 class KLPenaltyLoss(nn.Module):
     r"""``coef * aggregate(kl_penalty(logprob, ref_logprob, estimator), mask, agg)``.
 
-    A thin shell over the functions users call: forward checks its inputs once, computes the values
-    the way :func:`~lightning_kl.kl_penalty` does (the same internal helpers, with the same inputs),
-    feeds them to :attr:`metric` and reduces them as :func:`~lightning_kl.aggregate` does.
+    A thin shell over the functions users call. Forward goes down the layers once, one call a step, each
+    into a module that does not call back up: validate (:func:`lightning_kl.inputs.check_kl_inputs`, the
+    inputs checked once) -> compute (:mod:`lightning_kl.compute`: the estimators, the sequence level or the
+    vocabulary engine, as :func:`~lightning_kl.kl_penalty`) -> reduce (:func:`lightning_kl.reduce.reduce_kl`:
+    the aggregate as :func:`~lightning_kl.aggregate`, the global batch, and the sums of the metric and of the
+    controller) -> metric (:attr:`metric`) -> coefficient (:mod:`lightning_kl.coefficient`).
 
     Notation: ``b`` batch, ``t`` response length.
 
@@ -152,7 +125,7 @@ class KLPenaltyLoss(nn.Module):
     **Gradient accumulation and the Trainer.** Lightning divides each micro-batch's loss by the
     Trainer's ``accumulate_grad_batches`` (``k``); with the step's totals (``num_tokens``, ``num_seqs``)
     the loss multiplies by ``k`` back. It learns ``k`` from the Trainer that fits its LightningModule,
-    handed over by :class:`~lightning_kl.trainer_hooks.KLLossCallback` at ``setup`` (every Trainer
+    handed over by :class:`~lightning_kl.KLLossCallback` at ``setup`` (every Trainer
     gets one), never from the call stack: any ``training_step`` (argument names, wrappers,
     ``torch.compile``) works. ``k`` is read only while that Trainer trains; while it validates, tests
     or predicts nothing accumulates and ``k`` is 1. A ``deepcopy`` or a pickle of the loss is attached
@@ -177,7 +150,7 @@ class KLPenaltyLoss(nn.Module):
     in ``eval()`` mode, adds nothing). :meth:`update_coef` closes the optimizer step:
     it sums those over the data parallel group (one ``all_reduce`` of three numbers, the group found
     as for ``global_batch``), so that every process gets the same global KL, and updates the
-    controller with it. In a Lightning ``Trainer`` the :class:`~lightning_kl.trainer_hooks.KLLossCallback`
+    controller with it. In a Lightning ``Trainer`` the :class:`~lightning_kl.KLLossCallback`
     every Trainer gets does it in ``on_before_optimizer_step`` (after the backward of the step's last
     micro-batch: once per optimizer step under ``accumulate_grad_batches``, every micro-batch of a step
     weighed by the same coefficient) and logs ``kl/coef`` and ``kl/value``; elsewhere call it after
@@ -235,16 +208,17 @@ class KLPenaltyLoss(nn.Module):
             raise ValueError(f"`global_batch` must be True or False, got {global_batch!r}.")
         self.global_batch = global_batch
         self.max_weight = check_max_weight(max_weight)
-        self.sampling = resolve_sampling(sampling, temperature, self.spec.name, "KLPenaltyLoss", stacklevel=3)
+        self.sampling = resolve_sampling(sampling, temperature, self.spec.name, "KLPenaltyLoss")
         self.level = check_level(level)
         if self.level == "sequence":
             check_sequence_agg(self.agg)
             if agg is None:
-                rank_zero_warn(
+                warn_user(
                     "KLPenaltyLoss(level='sequence') without `agg` uses agg='token-mean', which is exact at the "
                     "sequence level only when every batch holds the same number of valid tokens. Pass "
                     "agg='seq-mean-token-sum' (the mean KL per response), 'token-sum' or 'seq-mean-token-sum-norm' "
-                    "for responses of any length, or agg='token-mean' explicitly for a fixed token count."
+                    "for responses of any length, or agg='token-mean' explicitly for a fixed token count.",
+                    rank_zero=True,
                 )
         self.kl_to_go = check_kl_to_go(kl_to_go, self.level, self.spec.base == "full")
         self.metric = KLMetric(process_group=process_group, device_mesh=device_mesh)
@@ -252,6 +226,7 @@ class KLPenaltyLoss(nn.Module):
         self._warned_unknown_k = False
         self._warned_lengths = agg is None  # the default agg at level="sequence" warned above already
         self._trainer_ref: Optional[weakref.ReferenceType] = None
+        _LIVE.add(self)
 
     @property
     def estimator(self) -> str:
@@ -298,17 +273,24 @@ class KLPenaltyLoss(nn.Module):
         warned about; 1 while it validates or predicts. Attached to no Trainer it is 1, said once when
         the step's totals are given (they suggest accumulation); pass it to override.
         """
-        given = (num_tokens, num_seqs)
-        k = self._accumulation(accumulate_grad_batches, given)
-        # inputs checked once (stacklevel 5: the user's `self.kl(...)` through nn.Module's two call frames),
-        # then down the layers: values, metric, aggregation
-        inputs = check_kl_inputs(logprob, ref_logprob, self.spec, mask, old_logprob, sampled_logprob, self.level, stacklevel=5)
+        # down the layers once: validate -> compute -> reduce (with the metric's and the controller's sums)
+        # -> metric -> coefficient; each step one call into a module that does not call back up
+        if accumulate_grad_batches is None:
+            accumulate_grad_batches = self._trainer_accumulation()
+        inputs = check_kl_inputs(
+            logprob, ref_logprob, self.spec, mask, old_logprob, sampled_logprob, self.level, self.sampling,
+            num_tokens, num_seqs, accumulate_grad_batches,
+        )
         kl = kl_penalty_values(inputs, self.spec, self.max_weight, self.level, self.kl_to_go, self.sampling)
-        mask = inputs.mask
+        k = self._accumulation(inputs)
+        given = (inputs.num_tokens, inputs.num_seqs)
         self._warn_if_micro_batch_counts(k, given)
-        self._warn_if_lengths_vary(mask, num_tokens)
-        self.metric(kl.detach(), mask, checked=True)
-        return self._apply_coef(self._aggregate(kl, mask, given, k), kl, mask)
+        self._warn_if_lengths_vary(inputs.mask, inputs.num_tokens)
+        dp = data_parallel_group(self.process_group, self.device_mesh) if self.global_batch else None
+        controlled = self.controller is not None and self.training  # an eval() forward is no part of a step
+        reduced = reduce_kl(kl, inputs.mask, self.agg, self.agg_norm, *given, k, dp, self.agg if controlled else None)
+        self.metric(kl.detach(), inputs.mask, sums=reduced.metric_sums)
+        return self._coefficient.apply(reduced.loss, reduced.controller_stats, self._trainer_ref is not None)
 
     # ------------------------------------------------------------------------------------------
     # the coefficient
@@ -320,30 +302,17 @@ class KLPenaltyLoss(nn.Module):
 
         Setting it takes what ``coef`` takes in the constructor: a number or a controller.
         """
-        return self._coef if self.controller is None else self.controller.value
+        c = self._coefficient
+        return c.number if c.controller is None else c.controller.value
 
     @coef.setter
     def coef(self, coef: Union[float, KLController]) -> None:
-        if isinstance(coef, KLController):
-            self.controller: Optional[KLController] = coef
-            self._coef = float("nan")
-        elif isinstance(coef, bool) or not isinstance(coef, (int, float)) or not math.isfinite(coef) or coef < 0:
-            raise ValueError(
-                f"`coef` must be a finite number >= 0 or a KLController (FixedKLController, AdaptiveKLController, "
-                f"TargetKLController, KLSchedule), got {coef!r}."
-            )
-        else:
-            self.controller, self._coef = None, float(coef)
-        self._step_stats: Optional[Tensor] = None
+        self._coefficient = Coefficient(coef)
 
-    def _apply_coef(self, agg: Tensor, kl: Tensor, mask: Optional[Tensor]) -> Tensor:
-        if self.controller is None:
-            return self._coef * agg
-        if self.training:  # a validation forward (the module in eval mode) is no part of a training step
-            stats = controlled_kl_statistics(kl, mask, self.agg)
-            self._step_stats = stats if self._step_stats is None else self._step_stats + stats
-        # the step's coefficient, a device tensor (no host read), rounded to the loss's dtype as a float is
-        return self.controller.value_tensor(agg.device).to(agg.dtype) * agg
+    @property
+    def controller(self) -> Optional[KLController]:
+        """The :class:`~lightning_kl.KLController` that moves the coefficient, or None for a number ``coef``."""
+        return self._coefficient.controller
 
     def update_coef(self, strategy: Any = None, device: Any = None) -> Optional[tuple[Tensor, Tensor]]:
         """Close an optimizer step: update the controller from the step's global KL; return what was used.
@@ -353,8 +322,10 @@ class KLPenaltyLoss(nn.Module):
         group has more than one process), gives the controller the global KL and the number of
         non-empty sequences (``n_steps``), and starts the next step's sums. No host read. A step
         with no valid token anywhere leaves the coefficient unchanged. Done by
-        :class:`~lightning_kl.trainer_hooks.KLLossCallback` in a Trainer; by hand elsewhere, after
-        ``backward`` (the coefficient the step's gradient used is replaced, never changed in place).
+        :class:`~lightning_kl.KLLossCallback` in a Trainer; by hand elsewhere, after
+        ``backward`` (the coefficient the step's gradient used is replaced, never changed in place). A
+        controlled loss that runs many training forwards with no step closed (:data:`lightning_kl.coefficient.
+        UNSTEPPED_FORWARDS`) and no Trainer warns once, naming this call.
 
         Args:
             strategy: the Lightning strategy, when there is one (it names the data parallel group).
@@ -367,21 +338,17 @@ class KLPenaltyLoss(nn.Module):
         """
         if self.controller is None:
             return None
-        stats = self._step_stats
-        self._step_stats = None
-        if stats is None:
-            where = device if device is not None else self.controller.value_tensor().device
-            stats = torch.zeros(3, dtype=torch.float64, device=where)
-        coef = self.controller.value_tensor(stats.device)
         dp = data_parallel_group(self.process_group, self.device_mesh, strategy=strategy)
-        if dp.size > 1:
-            stats = dp.all_reduce_sum(stats.clone())
-        kl, n_seqs = stats[0] / stats[1], stats[2]
-        self.controller.update(kl, n_seqs)
-        return coef, torch.where(n_seqs >= 1, kl, float("nan"))
+        return self._coefficient.close_step(dp, device)
+
+    def reset_step(self) -> None:
+        """Drop the KL sums of an optimizer step left open (a fit stopped inside an accumulation window):
+        done by :class:`~lightning_kl.KLLossCallback` when a fit starts and ends."""
+        self._coefficient.reset()
 
     def get_extra_state(self) -> dict[str, Any]:
-        """The controller's state, in the module's ``state_dict`` (empty for a number ``coef``)."""
+        """The controller's state, in the module's ``state_dict`` (``kl._extra_state``; absent for a number
+        ``coef``, whose checkpoints of 0.2 and of the development version hold none or ``{}``: both load)."""
         if self.controller is None:
             return {}
         return {"controller_class": type(self.controller).__qualname__, "controller": self.controller.state_dict()}
@@ -390,13 +357,20 @@ class KLPenaltyLoss(nn.Module):
         saved = state.get("controller_class") if isinstance(state, dict) else None
         mine = None if self.controller is None else type(self.controller).__qualname__
         if saved != mine:
-            rank_zero_warn(
+            warn_user(
                 f"KLPenaltyLoss: the state_dict holds the state of {saved or 'a number coef'} but this loss has "
-                f"{mine or 'a number coef'}; keeping the coefficient as constructed."
+                f"{mine or 'a number coef'}; keeping the coefficient as constructed.",
+                rank_zero=True,
             )
             return
         if self.controller is not None:
             self.controller.load_state_dict(state["controller"])
+
+    def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
+        # only state that exists: a number coef has none, so a strict load into a model without this loss fits
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.controller is None:
+            destination.pop(prefix + "_extra_state", None)
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         # a state_dict saved before the controller's state was kept in it has no entry: keep the coefficient
@@ -410,7 +384,7 @@ class KLPenaltyLoss(nn.Module):
     def attach(self, trainer: Any) -> None:
         """Connect this loss to the Trainer that fits its LightningModule (None: disconnect).
 
-        Done by :class:`~lightning_kl.trainer_hooks.KLLossCallback` at ``setup``, which every Trainer gets
+        Done by :class:`~lightning_kl.KLLossCallback` at ``setup``, which every Trainer gets
         by itself once lightning-kl is installed. The loss then reads the Trainer's
         ``accumulate_grad_batches`` while it trains. Kept by a weak reference; not copied by ``deepcopy``
         or pickling (a copy is attached by the Trainer that fits it).
@@ -422,6 +396,11 @@ class KLPenaltyLoss(nn.Module):
         state["_trainer_ref"] = None
         return state
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # a copy or an unpickled loss (a spawned process's) is alive too: KLLossCallback must find it
+        super().__setstate__(state)
+        _LIVE.add(self)
+
     def _trainer_accumulation(self) -> Optional[int]:
         # the Trainer's accumulate_grad_batches while it trains the LightningModule holding this loss;
         # 1 while it validates, tests or predicts (nothing accumulates); None when attached to none
@@ -432,21 +411,18 @@ class KLPenaltyLoss(nn.Module):
             return 1
         return getattr(trainer, "accumulate_grad_batches", 1)
 
-    def _accumulation(self, k: Optional[int], given: tuple[Any, Any]) -> int:
-        # k: the argument, else the Trainer's; the step's totals checked on the way (they are its partners)
-        if k is None:
-            k = self._trainer_accumulation()
-        for name, n in zip(("num_tokens", "num_seqs"), given):
-            check_count(name, n)
-        if k is not None:
-            return check_accumulate_grad_batches(k)
-        if any(n is not None for n in given) and not self._warned_unknown_k:
+    def _accumulation(self, inputs: Any) -> int:
+        # k: the argument's or the Trainer's (checked with the inputs), else 1, said once when the totals suggest k
+        if inputs.accumulate_grad_batches is not None:
+            return inputs.accumulate_grad_batches
+        if (inputs.num_tokens is not None or inputs.num_seqs is not None) and not self._warned_unknown_k:
             self._warned_unknown_k = True
-            rank_zero_warn(
+            warn_user(
                 "KLPenaltyLoss got the step's totals (`num_tokens`/`num_seqs`) but knows no `accumulate_grad_batches`: "
                 "it is attached to no Trainer (KLLossCallback attaches it at `setup` of `Trainer.fit`), so it "
                 "assumes 1. Under gradient accumulation pass `accumulate_grad_batches=k` to forward (or "
-                "`loss.attach(trainer)`), else the accumulated gradient is k times too small."
+                "`loss.attach(trainer)`), else the accumulated gradient is k times too small.",
+                rank_zero=True,
             )
         return 1
 
@@ -462,54 +438,28 @@ class KLPenaltyLoss(nn.Module):
         lengths = mask.reshape(-1, mask.shape[-1]).sum(-1)
         if bool((lengths != lengths[0]).any()):
             self._warned_lengths = True
-            rank_zero_warn(
+            warn_user(
                 "KLPenaltyLoss(level='sequence', agg='token-mean') got responses of different lengths: 'token-mean' "
                 "divides by the batch's token count, which then varies with the samples, and the gradient is not the "
                 "responses' KL's (a length-normalized objective instead). Use agg='seq-mean-token-sum' (the mean KL "
-                "per response), 'token-sum' or 'seq-mean-token-sum-norm', or pass a fixed `num_tokens`."
+                "per response), 'token-sum' or 'seq-mean-token-sum-norm', or pass a fixed `num_tokens`.",
+                rank_zero=True,
             )
 
     def _warn_if_micro_batch_counts(self, k: int, given: tuple[Any, Any]) -> None:
-        needed = _COUNT_OF_MODE.get(self.agg)
+        needed = COUNT_OF_MODE.get(self.agg)
         if k == 1 or needed is None or given[needed] is not None or self._warned_micro_counts:
             return
         self._warned_micro_counts = True
         name = ("num_tokens", "num_seqs")[needed]
-        rank_zero_warn(
+        warn_user(
             f"KLPenaltyLoss(agg={self.agg!r}) is accumulating gradients over {k} micro-batches but got no "
             f"`{name}`: each micro-batch divides by its own count, so the accumulated gradient (the average of "
             f"the micro-batches' values) weighs the micro-batches equally instead of every "
             f"{'token' if needed == 0 else 'sequence'} of the optimizer step. Pass the step's totals: `{name}=lk.step_totals(masks)[{name!r}]` (see the docs, "
-            "'Running at scale', gradient accumulation)."
+            "'Running at scale', gradient accumulation).",
+            rank_zero=True,
         )
-
-    def _aggregate(self, kl: Tensor, mask: Optional[Tensor], given: tuple[Any, Any] = (None, None), k: int = 1) -> Tensor:
-        counts: dict[str, Any] = {}
-        if any(n is not None for n in given):
-            counts["num_tokens"], counts["num_seqs"] = given
-        world = 1
-        dp = data_parallel_group(self.process_group, self.device_mesh) if self.global_batch else None
-        if dp is not None and dp.size > 1:
-            world = dp.size
-            needed = _COUNT_OF_MODE.get(self.agg)
-            if needed is not None:
-                local = aggregate_counts_checked(kl, mask).to(torch.float64)
-                if given[needed] is not None:
-                    # this process's step total in place of its micro-batch count
-                    local[needed] = torch.as_tensor(given[needed], dtype=torch.float64, device=local.device).reshape(())
-                dp.all_reduce_sum(local)
-                counts["num_tokens"], counts["num_seqs"] = local[0], local[1]
-        # DDP or FSDP averages over the data parallel replicas and Lightning divides by k: both
-        # factors are undone here. Not k for a mode that divides by a count it was not given: each
-        # micro-batch then divides by its own count, and Lightning's average of the k micro-batch
-        # values is the nearest to the step's value (times k it would be k times too large)
-        needed = _COUNT_OF_MODE.get(self.agg)
-        counts["world_size"] = world * (1 if needed is not None and given[needed] is None else k)
-        agg = aggregate_checked(kl, mask, self.agg, self.agg_norm, **counts)
-        # times exactly 1 when the loss is finite, NaN when not: a NaN at a valid position then
-        # also turns every gradient to NaN, where anomaly detection sees it, even for estimators
-        # whose gradient ignores the value (k1's is 1 everywhere)
-        return agg * (1 + 0 * agg.detach())
 
     def extra_repr(self) -> str:
         extra = ", global_batch=True" if self.global_batch else ""
@@ -521,5 +471,5 @@ class KLPenaltyLoss(nn.Module):
             extra += f", level={self.level!r}"
         if self.kl_to_go != "k1":
             extra += f", kl_to_go={self.kl_to_go!r}"
-        coef = self._coef if self.controller is None else self.controller
+        coef = self._coefficient.number if self.controller is None else self.controller
         return f"estimator={self.spec.name!r}, coef={coef!r}, agg={self.agg!r}{extra}"

@@ -10,6 +10,7 @@ from torchmetrics import Metric
 
 from lightning_kl.ground.checks import check_floating, check_mask
 from lightning_kl.ground.parallel import check_parallel_args, data_parallel_group
+from lightning_kl.reduce import masked_sums
 
 __all__ = ["DataParallelMetric", "KLMetric"]
 
@@ -19,10 +20,10 @@ def _kl_metric_update(values: Tensor, mask: Optional[Tensor], checked: bool = Fa
     if not checked:
         check_floating("values", values)
         mask = check_mask(mask, values, "values")
-    v = values.detach().to(torch.float64)
+    total, count = masked_sums(values.detach(), mask)
     if mask is None:
-        return v.sum(), torch.tensor(v.numel(), dtype=torch.int64, device=v.device)
-    return torch.where(mask, v, torch.zeros((), dtype=v.dtype, device=v.device)).sum(), torch.count_nonzero(mask)
+        return total, torch.tensor(count, dtype=torch.int64, device=total.device)
+    return total, count
 
 
 def _kl_metric_compute(total: Tensor, count: Tensor) -> Tensor:
@@ -117,9 +118,12 @@ class KLMetric(DataParallelMetric):
         self.add_state("total", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
         self.add_state("count", default=torch.tensor(0, dtype=torch.int64), dist_reduce_fx="sum")
 
-    def update(self, values: Tensor, mask: Optional[Tensor] = None, *, checked: bool = False) -> None:
-        # checked=True: a caller that checked both already (KLPenaltyLoss: a floating tensor, a bool mask of its shape)
-        total, count = _kl_metric_update(values, mask, checked)
+    def update(
+        self, values: Tensor, mask: Optional[Tensor] = None, *, checked: bool = False, sums: Optional[tuple[Tensor, Tensor]] = None
+    ) -> None:
+        # checked=True: a caller that checked both already (a floating tensor, a bool mask of its shape); sums: the
+        # float64 sum and int64 count of these values that the caller made already (KLPenaltyLoss's reduce step)
+        total, count = _kl_metric_update(values, mask, checked) if sums is None else sums
         self.total += total
         self.count += count
 

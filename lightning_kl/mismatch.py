@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from lightning_kl.estimators import base_value
-from lightning_kl.ground.checks import check_mask, check_matching, compute_dtype
+from lightning_kl.ground.checks import check_logprobs, check_mask, check_matching, compute_dtype
 
 __all__ = [
     "LOG_RATIO_BOUND",
@@ -146,15 +146,21 @@ TOTALS_REDUCTIONS: dict[str, str] = {
 
 
 def check_mismatch_inputs(logprob: Any, rollout_logprob: Any, mask: Any) -> Optional[Tensor]:
-    """Both log-probs floating tensors ``[..., t]`` of one shape; the mask (bool) of that shape or None.
+    """Both log-probs floating tensors ``[..., t]`` of one shape, ``<= 0`` at valid positions; the mask
+    (bool) of that shape or None.
+
+    The value check is the loss's (:func:`lightning_kl.ground.checks.check_logprobs`): a log-prob
+    above 0 (logits gathered at the tokens, the usual mistake) is refused, with no host read off the CPU.
 
     Raises:
-        TypeError, ValueError: naming the argument and the shapes.
+        TypeError, ValueError: naming the argument and the shapes, or a log-prob above 0.
     """
     check_matching("logprob", logprob, "rollout_logprob", rollout_logprob)
     if logprob.ndim == 0:
         raise ValueError("`logprob` and `rollout_logprob` need a token dimension (the last one), got 0-d tensors.")
-    return check_mask(mask, logprob, "logprob")
+    mask = check_mask(mask, logprob, "logprob")
+    check_logprobs({"logprob": logprob, "rollout_logprob": rollout_logprob}, mask)
+    return mask
 
 
 def _rows(x: Tensor) -> Tensor:

@@ -133,10 +133,11 @@ from __future__ import annotations
 from typing import Literal, Optional, Union
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_kl.estimators import base_value
-from lightning_kl.ground.checks import check_floating
+from lightning_kl.inputs import check_sampled_logprob  # noqa: F401  (with every per-call check; named here for 0.2's callers)
 
 __all__ = [
     "LEVELS",
@@ -145,6 +146,7 @@ __all__ = [
     "check_level",
     "check_sampled_logprob",
     "check_sequence_agg",
+    "exclusive_cumsum",
     "full_with_kl_to_go",
     "future_sum",
     "KL_TO_GO",
@@ -219,40 +221,6 @@ def check_sequence_agg(mode: str) -> str:
     return mode
 
 
-def check_sampled_logprob(sampled_logprob: object, logits: Tensor, full_sequence: bool) -> Optional[Tensor]:
-    """``sampled_logprob`` is needed by ``full`` at the sequence level, and only there; shape ``logits[..., 0]``.
-
-    Raises:
-        ValueError: when it is missing for ``full`` at ``level="sequence"`` (saying why), given anywhere
-            else, or of the wrong shape or device (both are named).
-        TypeError: when it is not a floating point tensor.
-    """
-    if not full_sequence:
-        if sampled_logprob is not None:
-            raise ValueError(
-                "`sampled_logprob` is for estimator='full' at level='sequence' only (the score of the sampled "
-                "tokens for the KL-to-go term); sampled estimators read it from `logprob` already."
-            )
-        return None
-    if sampled_logprob is None:
-        raise ValueError(
-            "estimator='full' at level='sequence' needs `sampled_logprob`, the policy's log-probs of the sampled "
-            "tokens `[..., t]` (differentiable, at the sampling temperature; e.g. log_softmax(logits / T) gathered "
-            "at the tokens): the exact per-position KL gives the local gradient, but the KL-to-go term is carried "
-            "by the score grad log pi(y_t | y_<t) of the sampled tokens, which the logits alone do not give."
-        )
-    check_floating("sampled_logprob", sampled_logprob)
-    assert isinstance(sampled_logprob, Tensor)
-    if logits.ndim < 2 or sampled_logprob.shape != logits.shape[:-1]:
-        raise ValueError(
-            "`sampled_logprob` must have the shape of `logits` without the vocabulary dimension, with a token "
-            f"dimension: got sampled_logprob {tuple(sampled_logprob.shape)} and logits {tuple(logits.shape)}."
-        )
-    if sampled_logprob.device != logits.device:
-        raise ValueError(f"`sampled_logprob` is on {sampled_logprob.device} but `logits` is on {logits.device}.")
-    return sampled_logprob
-
-
 def prefix_log_weights(log_w: Tensor, mask: Optional[Tensor]) -> Tensor:
     r"""Per-decision log-weights: the value :math:`\log\rho_{1:t} = \sum_{u \le t} \log w_u`, the
     gradient of :math:`\log w_t` alone.
@@ -318,6 +286,9 @@ def weighted_kl_to_go(
 def future_sum(values: Tensor, mask: Optional[Tensor]) -> Tensor:
     r"""The detached :math:`\sum_{s > t,\ \mathrm{valid}} v_s` along the last dimension.
 
+    A reversed cumulative sum shifted by one: each tail is summed from the later values alone, so a
+    tail far smaller than :math:`v_t` keeps its digits (``(sum from t on) - v_t`` would cancel them).
+
     Example:
         >>> future_sum(torch.tensor([1.0, 2.0, float("inf"), 4.0]), torch.tensor([True, True, False, True]))
         tensor([6., 4., 4., 0.])
@@ -325,8 +296,20 @@ def future_sum(values: Tensor, mask: Optional[Tensor]) -> Tensor:
     with torch.no_grad():
         if mask is not None:
             values = torch.where(mask, values, torch.zeros((), dtype=values.dtype, device=values.device))
-        # sum over s >= t, minus the token itself; the flipped cumsum keeps the small tail sums exact
-        return values.flip(-1).cumsum(-1).flip(-1) - values
+        return exclusive_cumsum(values.flip(-1)).flip(-1)
+
+
+def exclusive_cumsum(values: Tensor) -> Tensor:
+    r""":math:`\sum_{u < t} v_u` along the last dimension: a cumulative sum shifted by one (0 first), never
+    ``cumsum - v``, which loses the digits of a prefix far smaller than :math:`v_t`.
+
+    Example:
+        >>> exclusive_cumsum(torch.tensor([1e-8, 1.0, 2.0]))
+        tensor([0.0000e+00, 1.0000e-08, 1.0000e+00])
+    """
+    if values.shape[-1] == 0:
+        return values.clone()
+    return F.pad(values[..., :-1].cumsum(-1), (1, 0))
 
 
 def full_with_kl_to_go(kl: Tensor, sampled_logprob: Tensor, mask: Optional[Tensor]) -> Tensor:

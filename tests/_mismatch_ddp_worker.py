@@ -38,7 +38,7 @@ def global_batches() -> list[dict[str, Tensor]]:
     for _ in range(STEPS):
         ro = -2.0 * torch.rand(GLOBAL_B, T, generator=g, dtype=torch.float64)
         scale = torch.tensor([0.05] * 4 + [0.6] * 4, dtype=torch.float64)[:, None]  # rank 1 drifted further
-        lp = ro + scale * torch.randn(GLOBAL_B, T, generator=g, dtype=torch.float64) - scale**2 / 2
+        lp = -(ro + scale * torch.randn(GLOBAL_B, T, generator=g, dtype=torch.float64) - scale**2 / 2).abs()  # <= 0
         out.append({
             "logprob": torch.where(mask, lp, float("nan")),
             "rollout": torch.where(mask, ro, float("inf")),

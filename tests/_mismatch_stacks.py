@@ -147,6 +147,43 @@ def load_verl() -> tuple[types.ModuleType, type]:
     return helper, algorithm.RolloutCorrectionConfig
 
 
+def load_verl_bypass_loss(helper: types.ModuleType) -> Callable[..., dict[str, Any]]:
+    """verl's ``compute_policy_loss_bypass_mode`` (``verl/trainer/ppo/core_algos.py``, taken out by its
+    syntax tree), its two policy losses replaced by a recorder: ``f(cfg, log_prob, rollout_log_prob,
+    response_mask)`` returns which loss it chose (``"loss_type"``), the ``rollout_is_weights`` and the
+    ``response_mask`` it passed to it, and its metrics. ``helper`` is :func:`load_verl`'s module."""
+    root = package_root("verl")
+    fn = _function(_tree(root / "trainer" / "ppo" / "core_algos.py"), "compute_policy_loss_bypass_mode")
+    seen: dict[str, Any] = {}
+
+    def recorder(name: str) -> Callable[..., Any]:
+        def loss(**kwargs: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+            seen.update(loss_type=name, rollout_is_weights=kwargs["rollout_is_weights"], response_mask=kwargs["response_mask"])
+            return torch.zeros(()), {}
+
+        return loss
+
+    namespace: dict[str, Any] = {
+        "torch": torch, "Any": Any, "Optional": __import__("typing").Optional, "ActorConfig": object,
+        "compute_policy_loss_vanilla": recorder("ppo_clip"), "compute_policy_loss_reinforce": recorder("reinforce"),
+    }  # fmt: skip
+    bypass = _compile(fn, namespace)
+    stubs = {name: _module(name) for name in ("verl", "verl.trainer", "verl.trainer.ppo")}
+    stubs["verl.trainer.ppo.rollout_corr_helper"] = helper
+
+    def call(cfg: dict[str, Any], log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, mask: torch.Tensor) -> dict[str, Any]:
+        seen.clear()
+        config = types.SimpleNamespace(policy_loss={"rollout_correction": cfg})
+        with _Stubbed(stubs):  # the function imports the helper by its name
+            _, metrics = bypass(
+                old_log_prob=rollout_log_prob, log_prob=log_prob, advantages=torch.ones_like(log_prob),
+                response_mask=mask, config=config,
+            )  # fmt: skip
+        return {**seen, "metrics": metrics}
+
+    return call
+
+
 def verl_presets(config_class: type) -> dict[str, Any]:
     """Every preset classmethod of ``RolloutCorrectionConfig``, called with its defaults."""
     out = {}

@@ -264,6 +264,42 @@ def run_checks(rank: int, errors: dict[str, float], raised: dict[str, str]) -> N
     _close(errors, "entropy_hidden_value", ent, ref)
     for i, what in enumerate(("hidden", "weight", "bias")):
         _close(errors, f"entropy_hidden_grad_{what}", leaves[i].grad, ref_leaves[i].grad if i == 0 else ref_leaves[i].grad[rows])
+    # --- heads with a logit scale and a soft cap (Gemma 2's, Cohere's), column-parallel: log-probs, the full
+    # KL (each head its own scale and cap; NaN padding) and the entropy, values and every gradient, against
+    # one process on the whole head and against the formula (autograd through c tanh(s a / c))
+    heads = {"policy": dict(logit_scale=0.5, softcap=1.5), "ref": dict(softcap=2.0)}
+    for temperature, chunk in ((1.0, None), (0.7, 4)):
+        sampling = lk.Sampling(temperature)
+        leaves = [x.clone().requires_grad_() for x in (hp, w[rows], bias[rows], hr, wr[rows])]
+        pol = lk.FromHidden(leaves[0], lk.VocabShard(leaves[1], group, offset), leaves[2], **heads["policy"])
+        ref_h = lk.FromHidden(leaves[3], lk.VocabShard(leaves[4], group, offset), rbias[rows], **heads["ref"])
+        lp = lk.token_logprobs(pol, torch.where(mask, tokens, -100), sampling=sampling, ignore_index=-100, chunk_size=chunk)
+        out = (lp * weights).sum() + (lk.full_kl(pol, ref_h, mask, sampling=sampling, chunk_size=chunk) * weights).sum()
+        out = out + (lk.token_entropy(pol, mask, sampling=sampling, chunk_size=chunk) * weights).sum()
+        out.backward()
+        one = [x.clone().requires_grad_() for x in (hp, w, bias, hr, wr)]
+        pol1 = lk.FromHidden(one[0], one[1], one[2], **heads["policy"])
+        ref1 = lk.FromHidden(one[3], one[4], rbias, **heads["ref"])
+        lp1 = lk.token_logprobs(pol1, torch.where(mask, tokens, -100), sampling=sampling, ignore_index=-100)
+        out1 = (lp1 * weights).sum() + (lk.full_kl(pol1, ref1, mask, sampling=sampling) * weights).sum()
+        out1 = out1 + (lk.token_entropy(pol1, mask, sampling=sampling) * weights).sum()
+        out1.backward()
+        clean = [x.clone().requires_grad_() for x in (h, w, bias, hr, wr)]
+        zc = 1.5 * torch.tanh(0.5 * torch.nn.functional.linear(clean[0], clean[1], clean[2]) / 1.5)
+        zrc = 2.0 * torch.tanh(torch.nn.functional.linear(clean[3], clean[4], rbias) / 2.0)
+        logp = torch.log_softmax(zc / temperature, -1)
+        formula = torch.where(mask, logp.gather(-1, tokens.clamp(min=0).unsqueeze(-1)).squeeze(-1), 0.0)
+        formula = formula * (tokens != -100)
+        formula = formula + _formula_kl(zc, zrc, mask, temperature) + torch.where(mask, -(logp.exp() * logp).sum(-1), 0.0)
+        (formula * weights).sum().backward()
+        tag = f"capped_T{temperature}_chunk{chunk}"
+        _close(errors, f"{tag}_value", out, out1)
+        _close(errors, f"{tag}_value_formula", out, (formula * weights).sum())
+        for i, what in enumerate(("hidden", "weight", "bias", "ref_hidden", "ref_weight")):
+            whole = one[i].grad if what in ("hidden", "ref_hidden") else one[i].grad[rows]
+            _close(errors, f"{tag}_grad_{what}", leaves[i].grad, whole)
+            if what != "hidden":  # NaN padding in the policy's hidden states: the formula took clean ones
+                _close(errors, f"{tag}_grad_{what}_formula", leaves[i].grad, clean[i].grad if what == "ref_hidden" else clean[i].grad[rows])
     # without truncation the three references are one KL
     for reference in ("processed", "policy_kept"):
         loc, loc_ref = _shard(zp, offset, offset + size), _shard(zr, offset, offset + size)

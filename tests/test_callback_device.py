@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from torch.testing import assert_close
 
 import lightning_kl as lk
+import lightning_kl.ground.checks as ground_checks
 
 B, T, STEPS = 4, 5, 6
 TARGET, HORIZON, INIT = 0.3, 20.0, 0.5
@@ -33,6 +34,8 @@ def no_host_reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         return read
 
     with monkeypatch.context() as m:
+        # the form that runs on an accelerator: value checks on the device (on the CPU they read the host)
+        m.setattr(ground_checks, "HOST_READ_DEVICES", frozenset())
         for name in READS:
             m.setattr(Tensor, name, refuse(name))
         yield
@@ -132,7 +135,7 @@ def test_a_non_finite_kl_leaves_the_coefficient_and_is_raised_at_the_log_step(
     class Poison(pl.Callback):
         def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
             if batch_idx == 1:
-                batch["logprobs"][0, 2] = float("inf")  # a valid token
+                batch["ref_logprobs"][0, 2] = -float("inf")  # a valid token: d = +inf (a log-prob above 0 is refused)
 
     seen_at: list[int] = []
 

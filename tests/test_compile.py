@@ -68,7 +68,7 @@ def chunk_kl(z: torch.Tensor, zr: torch.Tensor, sampling: lk.Sampling) -> torch.
     """The engine's per-chunk maths (kernels/engine.py: ``_log_pair`` then the KL of a chunk): the
     sampler's processing of the tempered scores, both log-softmaxes, and ``sum p~ (log p~ - log q)``
     with ``0 log 0 = 0`` off the kept set."""
-    from lightning_kl.kernels.processing import process_scores
+    from lightning_kl.ground.sampler import process_scores
 
     logp = torch.log_softmax(process_scores(z / sampling.temperature, sampling), dim=-1)
     logq = torch.log_softmax(zr / sampling.temperature, dim=-1)
@@ -96,3 +96,39 @@ def test_the_engines_chunk_maths_compiles_with_every_processor() -> None:
     assert_close(got_z.grad, want_z.grad, rtol=1e-10, atol=1e-12)
     assert_close(got, lk.full_kl(z, zr, sampling=s), rtol=1e-10, atol=1e-12)
     assert (got > 0).all()
+
+
+def head_chunk_kl(h: torch.Tensor, w: torch.Tensor, hr: torch.Tensor, wr: torch.Tensor, sampling: lk.Sampling) -> torch.Tensor:
+    """A chunk of two real heads (kernels/engine.py: ``Source.read``): Gemma's soft cap on the policy's
+    matmul, Cohere's logit scale on the reference's, then the chunk's KL."""
+    z = 2.0 * torch.tanh(0.5 * (h @ w.T) / 2.0)
+    return chunk_kl(z, 0.0625 * (hr @ wr.T), sampling)
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+@pytest.mark.skipif(_cxx() is None, reason="torch.compile's CPU backend needs a C++ compiler (g++/clang++), none found")
+def test_a_capped_heads_chunk_maths_compiles_and_matches_the_engine() -> None:
+    """``c tanh(s a / c)`` and a logit scale in the chunk maths, ``fullgraph=True``: eager's values and gradients, and
+    ``lk.full_kl`` of two ``lk.FromHidden`` with those scales and caps."""
+    g = torch.Generator().manual_seed(2)
+    h, w = torch.randn(6, 8, generator=g, dtype=torch.float64), torch.randn(33, 8, generator=g, dtype=torch.float64) * 2
+    hr, wr = torch.randn(6, 8, generator=g, dtype=torch.float64), torch.randn(33, 8, generator=g, dtype=torch.float64) * 20
+    s = lk.Sampling(temperature=0.8, top_k=20)
+    compiled = torch.compile(lambda a, b: head_chunk_kl(a, b, hr, wr, s), fullgraph=True, dynamic=False)
+    got_h, got_w = h.clone().requires_grad_(), w.clone().requires_grad_()
+    got = compiled(got_h, got_w)
+    got.sum().backward()
+    want_h, want_w = h.clone().requires_grad_(), w.clone().requires_grad_()
+    want = head_chunk_kl(want_h, want_w, hr, wr, s)
+    want.sum().backward()
+    assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert_close(got_h.grad, want_h.grad, rtol=1e-10, atol=1e-12)
+    assert_close(got_w.grad, want_w.grad, rtol=1e-10, atol=1e-12)
+    eng_h, eng_w = h.clone().requires_grad_(), w.clone().requires_grad_()
+    engine = lk.full_kl(
+        lk.FromHidden(eng_h, eng_w, logit_scale=0.5, softcap=2.0), lk.FromHidden(hr, wr, logit_scale=0.0625), sampling=s
+    )
+    engine.sum().backward()
+    assert_close(engine, got, rtol=1e-10, atol=1e-12)
+    assert_close(eng_h.grad, got_h.grad, rtol=1e-9, atol=1e-12)
+    assert_close(eng_w.grad, got_w.grad, rtol=1e-9, atol=1e-12)

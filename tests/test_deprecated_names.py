@@ -8,7 +8,7 @@ import torch
 from torch.testing import assert_close
 
 import lightning_kl as lk
-from lightning_kl.sampling import SampledLogprobs
+from lightning_kl.deprecated import SampledLogprobs
 
 F64 = torch.float64
 DEPRECATED = (

@@ -323,6 +323,29 @@ def run_vocabulary_hidden(code: str, monkeypatch: Any) -> None:
     assert torch.isfinite(out["kl_loss"])
 
 
+def run_vocabulary_calls(code: str, monkeypatch: Any) -> None:
+    # `model`: a Gemma-style model whose config soft-caps at 30, holding the fragment's lm_head
+    ns = _tensors()
+    model = SimpleNamespace(config=SimpleNamespace(model_type="gemma2", final_logit_softcapping=30.0),
+                            get_output_embeddings=lambda: ns["lm_head"])
+    out = run_fragment(code, **{k: v for k, v in ns.items() if k != "self"}, model=model)
+    capped = lk.token_logprobs(lk.FromHidden(ns["hidden"], ns["lm_head"].weight, softcap=30.0), ns["tokens"])
+    assert_close(out["logprob"], capped, rtol=0, atol=0)  # lk.hf.from_hidden read the cap from the config
+    # the one-pass call's entropy is the separate call's, of the same capped head
+    assert_close(out["entropy"], lk.token_entropy(lk.FromHidden(ns["hidden"], ns["lm_head"].weight, softcap=30.0)), rtol=0, atol=0)
+
+
+def run_hf_from_hidden(code: str, monkeypatch: Any) -> None:
+    policy = tiny_model(0)
+    seq = torch.randint(3, 15, (2, 7))
+    am, p, sampling = torch.ones_like(seq), 3, lk.Sampling(0.9)
+    out = _run(code, {"torch": torch, "lk": lk, "policy": policy, "seq": seq, "am": am, "p": p, "sampling": sampling,
+                      "weight": policy.lm_head.weight})
+    # the hidden states x the head give the model's own log-probs of the response
+    assert_close(out["logprobs"], lk.hf.response_logprobs(policy, seq, am, p, sampling=sampling), rtol=0, atol=1e-5)
+    assert isinstance(out["x"], lk.FromHidden) and out["x"].softcap is None  # a Qwen2 head: no cap, no scale
+
+
 def run_scale_tensor_parallel(code: str, monkeypatch: Any) -> None:
     # the whole block needs a tensor parallel group (tests/test_vocab_parallel.py runs the same calls on
     # two gloo processes); here: it compiles, and its calls exist
@@ -351,8 +374,6 @@ def run_entropy_module(code: str, monkeypatch: Any) -> None:
 
 
 def run_entropy_one_pass(code: str, monkeypatch: Any) -> None:
-    if not hasattr(lk, "token_logprobs_and_entropy"):  # the engine issue adds it; until then the page is ahead
-        pytest.xfail("docs/entropy.md calls lk.token_logprobs_and_entropy, which this version does not have yet")
     out = run_fragment(code, sampling=lk.Sampling(temperature=0.9), policy_loss=lambda logprob, *rest: lk.aggregate(-logprob),
                        self=_fragment_self(entropy=lk.EntropyBonus(coef=0.01)))
     assert torch.isfinite(out["loss"])
@@ -369,6 +390,7 @@ RUNNERS: dict[tuple[str, int], Callable[..., None]] = {
     ("docs/estimators.md", 1): lambda code, mp: run_fragment(code),
     ("docs/estimators.md", 2): lambda code, mp: run_fragment(code),
     ("docs/huggingface.md", 0): run_hf_page,
+    ("docs/huggingface.md", 1): run_hf_from_hidden,
     ("docs/lightning.md", 0): run_lightning_bandit,
     ("docs/lightning.md", 1): run_lightning_controller,
     ("docs/migration.md", 0): lambda code, mp: run_fragment(code),
@@ -391,7 +413,7 @@ RUNNERS: dict[tuple[str, int], Callable[..., None]] = {
     ("docs/scale.md", 3): run_scale_fsdp_head,
     ("docs/scale.md", 4): run_scale_tensor_parallel,
     ("docs/vocabulary.md", 0): lambda code, mp: run_fragment(code),
-    ("docs/vocabulary.md", 1): lambda code, mp: run_fragment(code),
+    ("docs/vocabulary.md", 1): run_vocabulary_calls,
     ("docs/vocabulary.md", 2): run_vocabulary_class,
     ("docs/vocabulary.md", 3): run_vocabulary_hidden,
 }

@@ -255,3 +255,17 @@ def test_the_cpu_check_refuses_host_reads_and_puts_every_method_back():
         torch.ones(3).mul(2).sum()  # device work without a read is fine
     assert {name: getattr(torch.Tensor, name) for name in _gpu_sync.HOST_READS} == before
     assert torch.nonzero is nonzero and torch.ones(()).item() == 1.0
+
+
+def test_cases_are_labelled_with_the_calls_users_make():
+    """No case is named after a deprecated function (``token_logprobs_from_hidden``...): the hidden-state
+    cases name ``lk.token_logprobs(lk.FromHidden(...))`` and ``lk.full_kl(lk.FromHidden(...))``."""
+    cases = gpu.build_cases(gpu.SMOKE_SHAPES, torch.device("cpu"), ("bfloat16",))
+    whats = {c.group: set() for c in cases}
+    for c in cases:
+        whats[c.group].add(c.what)
+    assert whats["logprobs-hidden"] == {"token_logprobs(FromHidden)"}
+    assert whats["full-hidden"] == {"full_kl(FromHidden)"}
+    assert whats["chunks"] == {"token_logprobs", "full_kl", "full_kl(FromHidden)"}
+    deprecated = {"token_logprobs_from_hidden", "full_kl_from_hidden", "processed_logprobs", "processed_full_kl"}
+    assert not any(c.what.split("(")[0] in deprecated for c in cases)

@@ -29,6 +29,7 @@ def _batch(seed: int = 0, b: int = 6, t: int = 7, scale: float = 0.4) -> tuple[T
     mask = torch.arange(t) < lengths[:, None]
     ro = -3.0 * torch.rand(b, t, generator=g, dtype=F64)
     lp = ro + scale * torch.randn(b, t, generator=g, dtype=F64) + scale * torch.randn(b, 1, generator=g, dtype=F64)
+    lp = -lp.abs()  # log-probs: <= 0 (a log-prob above 0 is refused)
     lp = torch.where(mask, lp, math.nan)
     ro = torch.where(mask, ro, torch.tensor([math.inf, -math.inf, math.nan], dtype=F64).repeat(t)[:t])
     return lp, ro, mask
@@ -199,8 +200,8 @@ def test_a_weight_exactly_at_a_bound_is_kept_and_one_beyond_is_not() -> None:
     fix = lk.RolloutCorrection("token", mode="truncate", lower=1.0, upper=1.0)
     assert fix(lp, ro).weights.tolist() == [[1.0, 1.0, 1.0]]
     # rejection: a statistic exactly at its bound passes (k2 = l^2 / 2 = 0.5 at l = 1; k1 bounds in logs)
-    lp = torch.tensor([[1.0, 0.0], [1.0 + 1e-9, 0.0], [0.0, 0.0]], dtype=F64)
-    ro = torch.zeros_like(lp)
+    lp = torch.tensor([[-1.0, -2.0], [-1.0 + 1e-9, -2.0], [-2.0, -2.0]], dtype=F64)
+    ro = torch.full_like(lp, -2.0)
     out = lk.RolloutCorrection(None, rejection="token_k2", rejection_threshold=0.5)(lp, ro)
     assert out.mask.tolist() == [[True, True], [False, True], [True, True]]
     out = lk.RolloutCorrection(None, rejection="seq_max_k2", rejection_threshold=0.5)(lp, ro)

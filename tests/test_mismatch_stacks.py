@@ -10,6 +10,7 @@ ours the whole batch, on whose other rows everything must agree to 1e-6 relative
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import math
 from types import SimpleNamespace
@@ -21,7 +22,8 @@ from torch import Tensor
 from torch.testing import assert_close
 
 import lightning_kl as lk
-from _mismatch_stacks import load_openrlhf, load_trl, load_verl, verl_presets
+from _mismatch_stacks import load_openrlhf, load_trl, load_verl, load_verl_bypass_loss, package_root, verl_presets
+from lightning_kl.correction import TRL_DEFAULTS
 
 RTOL, ATOL = 1e-6, 1e-12
 
@@ -35,7 +37,7 @@ def _batch(seed: int, scale: float = 0.3, b: int = 10, t: int = 12, empty: bool 
     mask = torch.arange(t) < lengths[:, None]
     rollout = -3.0 * torch.rand(b, t, generator=g, dtype=torch.float64)
     drift = scale * 0.5 * torch.randn(b, 1, generator=g, dtype=torch.float64)
-    logprob = rollout + drift + scale * torch.randn(b, t, generator=g, dtype=torch.float64)
+    logprob = -(rollout + drift + scale * torch.randn(b, t, generator=g, dtype=torch.float64)).abs()  # <= 0
     junk = torch.tensor([math.nan, math.inf, -math.inf, -1e10], dtype=torch.float64).repeat(t)[:t].expand(b, t)
     return {
         "logprob": torch.where(mask, logprob, junk),
@@ -233,6 +235,42 @@ def test_the_docs_loss_recipes_run_with_every_verl_preset_and_equal_verls_loss(v
     assert "bypass_pg_geo_rs" in dict(ran)
 
 
+BYPASS_CASES = [
+    {"rollout_is": "token", "loss_type": "ppo_clip"},
+    {"rollout_is": "sequence", "rollout_is_threshold": "0.5_5.0", "loss_type": "ppo_clip"},
+    {"rollout_is": "token", "rollout_is_batch_normalize": True, "rollout_rs": "seq_mean_k3", "rollout_rs_threshold": 0.05},
+    {"rollout_is": None, "rollout_rs": "seq_mean_k1", "rollout_rs_threshold": "0.9_1.1", "loss_type": "ppo_clip"},
+    {"rollout_is": "token", "loss_type": "reinforce"},
+    {"rollout_is": "sequence", "rollout_rs": "token_k2", "rollout_rs_threshold": 0.05, "loss_type": "reinforce"},
+    {"rollout_is": None, "rollout_rs": "seq_mean_k1", "rollout_rs_threshold": "0.9_1.1", "loss_type": "reinforce"},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("cfg", BYPASS_CASES, ids=lambda c: "-".join(f"{v}" for v in c.values()))
+def test_bypass_weights_are_those_verl_applies(verl: Any, cfg: dict[str, Any]) -> None:
+    # verl 0.9.1's compute_policy_loss_bypass_mode: ppo_clip measures the weights (metrics) and passes
+    # none to its loss (the ratio pi_theta / mu is the weight); reinforce passes them
+    cfg = {**cfg, "bypass_mode": True}
+    batch = _batch(5, scale=0.3)
+    ne = _nonempty(batch)
+    theirs = load_verl_bypass_loss(verl.helper)(cfg, ne["logprob"], ne["rollout"], ne["mask"].double())
+    assert theirs["loss_type"] == cfg.get("loss_type", "ppo_clip")
+    fix = lk.RolloutCorrection.from_verl(cfg)
+    out = fix(batch["logprob"], batch["rollout"], batch["mask"])
+    keep = batch["mask"].any(-1)
+    if theirs["rollout_is_weights"] is None:
+        assert out.weights is None
+    else:
+        assert out.weights is not None
+        w = theirs["rollout_is_weights"]
+        assert_close(out.weights[keep][ne["mask"]], w[ne["mask"]], rtol=RTOL, atol=ATOL)
+    assert torch.equal(out.mask[keep], theirs["response_mask"].bool())
+    assert out.old_logprob is batch["rollout"]
+    must = ("rollout_is_mean", "rollout_is_eff_sample_size") if cfg["rollout_is"] else ()
+    must += ("rollout_is_batch_norm_factor",) if cfg.get("rollout_is_batch_normalize") else ()
+    _assert_metrics(out.metrics, theirs["metrics"], prefix="rollout_corr/", must=must + ("kl", "chi2_seq"))
+
+
 def test_verl_defaults_and_bad_verl_blocks(verl: Any) -> None:
     # verl's YAML defaults: no weights, no rejection (metrics only)
     fix = lk.RolloutCorrection.from_verl({})
@@ -271,7 +309,7 @@ TRL_CASES = [
 
 @pytest.mark.parametrize("cfg", TRL_CASES, ids=lambda c: "-".join(str(v) for v in c.values()))
 def test_weights_equal_trl_importance_sampling(trl: Any, cfg: dict[str, Any]) -> None:
-    batch = _batch(3, scale=0.6)
+    batch = _batch(4, scale=0.6)
     ne = _nonempty(batch)
     self = SimpleNamespace(
         vllm_importance_sampling_mode=cfg["vllm_importance_sampling_mode"],
@@ -283,7 +321,7 @@ def test_weights_equal_trl_importance_sampling(trl: Any, cfg: dict[str, Any]) ->
     lp = torch.where(ne["mask"], ne["logprob"], 0.0)
     ro = torch.where(ne["mask"], ne["rollout"], 0.0)
     theirs = trl.weights(self, ne["mask"].double(), None, lp, ro).expand_as(lp)
-    out = lk.RolloutCorrection.from_trl(cfg)(batch["logprob"], batch["rollout"], batch["mask"])
+    out = lk.RolloutCorrection.from_trl({**cfg, "use_vllm": True})(batch["logprob"], batch["rollout"], batch["mask"])
     keep = batch["mask"].any(-1)
     assert out.weights is not None
     assert_close(out.weights[keep][ne["mask"]], theirs[ne["mask"]], rtol=RTOL, atol=ATOL)
@@ -318,14 +356,48 @@ def test_offpolicy_mask_equals_trl_get_off_policy_mask(trl: Any, seed: int) -> N
 
 
 def test_trl_defaults_and_names() -> None:
-    fix = lk.RolloutCorrection.from_trl({})  # TRL 1.16's defaults: sequence_mask, clip_max 3.0
+    # TRL 1.16's defaults: no vLLM (use_vllm=False), so GRPOTrainer computes no importance weight
+    assert lk.RolloutCorrection.from_trl({}).weights is None
+    fix = lk.RolloutCorrection.from_trl({"use_vllm": True})  # with vLLM: sequence_mask, clip_max 3.0
     assert (fix.weights, fix.mode, fix.lower, fix.upper) == ("sequence", "mask", None, 3.0)
-    assert lk.RolloutCorrection.from_trl({"vllm_importance_sampling_cap": 2.5}).upper == 2.5
+    assert lk.RolloutCorrection.from_trl({"use_vllm": True, "vllm_importance_sampling_cap": 2.5}).upper == 2.5
     with pytest.raises(ValueError, match=r"unknown `vllm_importance_sampling_mode` 'token'.*'token_truncate'"):
         lk.RolloutCorrection.from_trl({"vllm_importance_sampling_mode": "token"})
-    args = SimpleNamespace(vllm_importance_sampling_mode="token_mask", vllm_importance_sampling_clip_min=0.5)
+    args = SimpleNamespace(use_vllm=True, vllm_importance_sampling_mode="token_mask", vllm_importance_sampling_clip_min=0.5)
     fix = lk.RolloutCorrection.from_trl(args)  # a GRPOConfig-like object, missing fields at TRL's defaults
     assert (fix.weights, fix.mode, fix.lower, fix.upper) == ("token", "mask", 0.5, 3.0)
+    # without vLLM the off-policy sequence mask still applies (TRL's _compute_loss reads it either way)
+    fix = lk.RolloutCorrection.from_trl({"off_policy_mask_threshold": 0.5})
+    assert fix.weights is None and fix.offpolicy_mask_threshold == 0.5
+
+
+def _trl_field_defaults() -> dict[str, Any]:
+    """The defaults of ``GRPOConfig``'s fields, read from TRL's installed source (its syntax tree)."""
+    tree = ast.parse((package_root("trl") / "trainer" / "grpo_config.py").read_text())
+    cls = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "GRPOConfig")
+    out = {}
+    for node in cls.body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(node.value, ast.Call):
+            for kw in node.value.keywords:
+                if kw.arg == "default":
+                    out[node.target.id] = ast.literal_eval(kw.value)
+    return out
+
+
+def test_from_trl_reads_trl_defaults_and_weights_only_with_vllm() -> None:
+    defaults = _trl_field_defaults()
+    assert defaults["use_vllm"] is False  # TRL 1.16: generation by the trained model, no mismatch to correct
+    for key, value in TRL_DEFAULTS.items():
+        assert defaults[key] == value, key
+    # GRPOTrainer computes (and applies) the importance sampling ratio only under this condition
+    source = (package_root("trl") / "trainer" / "grpo_trainer.py").read_text()
+    assert "if self.use_vllm and self.vllm_importance_sampling_correction:" in source
+    for use_vllm in (False, True):
+        for correction in (False, True):
+            fix = lk.RolloutCorrection.from_trl({"use_vllm": use_vllm, "vllm_importance_sampling_correction": correction})
+            assert (fix.weights is not None) == (use_vllm and correction), (use_vllm, correction)
+    with pytest.raises(TypeError, match="`use_vllm` must be a bool, got 'yes'"):
+        lk.RolloutCorrection.from_trl({"use_vllm": "yes"})
 
 
 # =================================================================================================

@@ -186,7 +186,7 @@ def test_device_form_still_refuses_an_out_of_range_id(monkeypatch: pytest.Monkey
 @pytest.mark.parametrize("key", ["zt", "hidden"])
 def test_the_processed_cases_have_ties_split_by_top_p(key: str) -> None:
     """Without rows whose kept set splits tied scores, the backward's re-run would go untested."""
-    from lightning_kl.kernels.processing import check_processing, process_scores
+    from lightning_kl.ground.sampler import check_processing, process_scores
 
     x = _inputs()
     z = x["zt"] if key == "zt" else x["hidden"] @ x["w_tied"].T

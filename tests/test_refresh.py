@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from torch.testing import assert_close
 
 import lightning_kl as lk
-from lightning_kl.mixing import mix_, mix_modules_
+from lightning_kl.refresh.mixing import mix_, mix_modules_
 from _trainers import make_quiet_trainer
 
 V, B, T = 7, 4, 6

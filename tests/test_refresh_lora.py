@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from torch.testing import assert_close
 
 import lightning_kl as lk
-from lightning_kl.mixing import check_foldable, fold_adapters_
+from lightning_kl.refresh.mixing import check_foldable, fold_adapters_
 from lightning_kl import hf
 from test_refresh import B, T, fit
 

@@ -16,12 +16,12 @@ import torch
 from torch.testing import assert_close
 
 import lightning_kl as lk
-from lightning_kl.sampling import REFERENCES
+from lightning_kl.deprecated import REFERENCES
 from _vocab import logprobs_from_hidden, processed, processed_from_hidden, processed_kl
 
 # the reference side is differentiated on purpose here: its gradient is checked too
 pytestmark = pytest.mark.filterwarnings("ignore:`ref_[a-z]*` requires grad")
-from lightning_kl.kernels.processing import Processing, process_scores
+from lightning_kl.ground.sampler import Sampling as Processing, process_scores
 
 transformers = pytest.importorskip("transformers")
 from transformers.generation.logits_process import (  # noqa: E402
@@ -80,7 +80,7 @@ def test_kept_set_is_generates_with_ties(proc):
     z = torch.randint(-3, 4, (64, 20), generator=g).float()
     want = warpers(**proc)(None, z.clone())
     tempered = z / proc.get("temperature", 1.0)
-    got = process_scores(tempered, lk.kernels.processing.check_processing(**proc))
+    got = process_scores(tempered, lk.ground.sampler.check_processing(**proc))
     assert torch.equal(got == float("-inf"), want == float("-inf"))
     # top-k keeps every tie of the k-th score: more than k tokens
     if proc == dict(top_k=3):
@@ -259,7 +259,7 @@ def test_response_logprobs_are_generates_processed_scores(tiny, proc):
     assert_close(lp[mask], want[mask], rtol=0, atol=2e-5)
     assert (lp[~mask] == 0).all()  # after EOS: not sampled, not scored
     # the kept sets are generate's, position by position
-    processing = lk.kernels.processing.check_processing(T, **kw)
+    processing = lk.ground.sampler.check_processing(T, **kw)
     kept = process_scores(logits.float() / T, processing) > float("-inf")
     assert torch.equal(kept[mask], (scores > float("-inf"))[mask])
     if processing.truncates:

@@ -641,3 +641,60 @@ def test_k3_off_policy_keeps_its_precision_far_below_the_reference():
     # k3 with a differentiable weight and k3+ with a detached one: the same gradient, token by token
     assert_close(grads["k3"], grads["k3+"], rtol=1e-5, atol=0)
     assert grads["k3+"][0, 0] < -16  # rho_1 d_1 + the KL-to-go, with rho_1 = e^0.5
+
+
+# ---------------------------------------------------------------------------------------------
+# the KL-to-go keeps small tails exact: sums of the later values only, never (sum from t on) - v_t
+
+
+def _tails64(values: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    v = values.double() if mask is None else torch.where(mask, values.double(), 0.0)
+    return torch.stack([v[..., t + 1 :].sum(-1) for t in range(v.shape[-1])], -1)
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float(((got.double() - want).abs() / want.abs().clamp_min(1e-30)).max())
+
+
+# large KLs early and between, tiny ones after: each tail far smaller than the token before it
+_SPIKY = torch.tensor([[1.0, 1.9e-6, 2.0, 1.7e-6, 3e-7, 0.5, 2e-8, 1e-8, 5e-9], [3.0, 1e-7, 4e-8, 2.5, 1.5e-7, 1.2e-7, 0.25, 3e-8, 1e-9]])
+
+
+def test_kl_to_go_tails_are_exact_in_float32():
+    from lightning_kl.sequence import future_sum, weighted_kl_to_go
+
+    v = _SPIKY.float()
+    mask = torch.ones_like(v, dtype=torch.bool)
+    mask[0, 4] = False  # a hole: it adds nothing
+    want = _tails64(v, mask)
+    assert _rel(future_sum(v, mask)[want > 0], want[want > 0]) < 1e-6
+    assert torch.all(future_sum(v, mask)[:, -1] == 0)
+    old = (torch.where(mask, v, 0).flip(-1).cumsum(-1).flip(-1) - torch.where(mask, v, 0))  # the old formula
+    assert _rel(old[want > 0], want[want > 0]) > 1e-2  # it loses the tails' digits: this test can fail
+    # the sampled estimators' KL-to-go: the tails of d = lp - ref (exact in float32 here: Sterbenz)
+    ref = -torch.full_like(v, 4.0)
+    lp = ref + v
+    d = lp.double() - ref.double()
+    assert _rel(weighted_kl_to_go(lp, ref, mask)[want > 0], _tails64(d, mask)[want > 0]) < 1e-6
+
+
+def test_full_kl_to_go_keeps_the_digits_of_tiny_later_kls():
+    """``full`` at the sequence level: the score term of token t is the sum of the later exact KLs. With a
+    KL of order 1 at t and of order 1e-6 after it, that sum keeps its digits (the old difference gave a
+    relative error of 5.5e-4 on these tails, 1e-2 on the tails of the first test)."""
+    g = torch.Generator().manual_seed(0)
+    b, t, V = 2, 9, 16
+    z = torch.randn(b, t, V, generator=g) * 2
+    profile = torch.tensor([[1.0, 2e-5, 2.0, 1.7e-5, 3e-5, 0.5, 2e-5, 1e-5, 5e-5], [3.0, 1e-5, 4e-5, 2.5, 1.5e-5, 1.2e-5, 0.25, 3e-5, 1e-5]])
+    scale = profile.sqrt().unsqueeze(-1)  # KL ~ |perturbation|^2: from order 1 down to 1e-6
+    zr = z + scale * torch.randn(b, t, V, generator=g) * 2
+    lp = lk.token_logprobs(z, z.argmax(-1)).requires_grad_()
+    mask = torch.ones(b, t, dtype=torch.bool)
+    kl = lk.kl_penalty(z, zr, "full", mask=mask, level="sequence", sampled_logprob=lp)
+    kl.sum().backward()
+    want = _tails64(kl.detach(), mask)  # the tails of the float32 KLs themselves, summed in float64
+    assert kl.detach().max() > 0.1 and 0 < kl.detach()[:, -2:].min() and kl.detach()[:, -2:].max() < 1e-4
+    assert _rel(lp.grad[:, :-1], want[:, :-1]) < 1e-6
+    old = kl.detach().flip(-1).cumsum(-1).flip(-1) - kl.detach()  # the old formula
+    assert _rel(old[:, :-1], want[:, :-1]) > 1e-4  # 5.5e-4 measured: the test can fail
+    assert torch.all(lp.grad[:, -1] == 0)

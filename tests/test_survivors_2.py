@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from torch.testing import assert_close
 
 import lightning_kl as lk
-from lightning_kl.mixing import fold_adapters_, mix_, mix_modules_
+from lightning_kl.refresh.mixing import fold_adapters_, mix_, mix_modules_
 from _trainers import make_quiet_trainer
 
 F64 = torch.float64

@@ -8,6 +8,8 @@ values (that would synchronize with the device), except where a value check is t
 from __future__ import annotations
 
 import math
+import os
+import sys
 import warnings
 from collections.abc import Callable
 from typing import Any, Optional
@@ -17,8 +19,12 @@ from torch import Tensor
 
 
 __all__ = [
+    "DEFAULT_LOGPROB_SLACK",
     "HOST_READ_DEVICES",
+    "LOGPROB_SLACK",
+    "check_logprobs",
     "check_floating",
+    "check_lead_shape",
     "check_mask",
     "check_mask_values",
     "check_matching",
@@ -27,7 +33,41 @@ __all__ = [
     "compute_dtype",
     "host_reads",
     "warn_if_reference_requires_grad",
+    "warn_user",
 ]
+
+#: How far above 0 a log-prob may be before it is refused: rounding of a log-softmax in the input's
+#: dtype (a gathered logit, the usual mistake, is off by its log-sum-exp, often several nats).
+LOGPROB_SLACK: dict[torch.dtype, float] = {torch.float16: 0.0625, torch.bfloat16: 0.25}
+DEFAULT_LOGPROB_SLACK = 1e-3
+
+# frames that are no user's line: this package's, and the machinery that calls a module or a hook
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_PLUMBING = (os.sep + os.path.join("torch", "nn", "modules", "module.py"),)
+
+
+def warn_user(message: str, category: type[Warning] = UserWarning, *, rank_zero: bool = False) -> None:
+    """Warn at the user's line: the first frame outside this package (and outside ``nn.Module``'s call frames).
+
+    The one way the package aims its warnings, so that no caller counts ``stacklevel`` by hand; Python's
+    default filter then shows a warning once per user line. ``rank_zero``: only on the process of global rank
+    0 (as Lightning's ``rank_zero_warn``), for a warning every rank would give alike.
+    """
+    if rank_zero and _global_rank() != 0:
+        return
+    frame, level = sys._getframe(1), 1
+    while frame is not None and (
+        frame.f_code.co_filename.startswith(_PACKAGE_DIR) or frame.f_code.co_filename.endswith(_PLUMBING)
+    ):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level + 1)
+
+
+def _global_rank() -> int:
+    for key in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK"):
+        if key in os.environ:
+            return int(os.environ[key])
+    return 0
 
 #: Device types on which the package reads tensor values on the host, where that waits for nothing
 #: (CPU): value checks (token ids in range) then name the bad value, and ``full_kl`` skips masked
@@ -159,22 +199,19 @@ def check_mask_values(mask: Tensor) -> Tensor:
     return mask != 0
 
 
-def warn_if_reference_requires_grad(name: str, reference: object, stacklevel: int = 4) -> None:
-    """Warn if the reference carries a graph (Python's default filter shows it once per calling line).
+def warn_if_reference_requires_grad(name: str, reference: object) -> None:
+    """Warn if the reference carries a graph (at the user's line, :func:`warn_user`).
 
     A ``ref_logprob`` that requires grad makes the KL term train the reference, or whatever computed
-    it (forgotten ``torch.no_grad()``, the adapters left on), and keeps its graph in memory. ``stacklevel``
-    (Python's, counted from this function) points the warning at the user's call. Where that is intended: ``warnings.filterwarnings("ignore", message="`ref_logprob` requires grad")`` (or
+    it (forgotten ``torch.no_grad()``, the adapters left on), and keeps its graph in memory. Where that is intended: ``warnings.filterwarnings("ignore", message="`ref_logprob` requires grad")`` (or
     ``ref_logits``, ``ref_hidden``).
     """
     if isinstance(reference, Tensor) and reference.requires_grad:
-        warnings.warn(
+        warn_user(
             f"`{name}` requires grad: the KL term would train the reference (or the model that computed it) "
             f"toward the policy, and keep its graph. Compute `{name}` under `torch.no_grad()` or pass "
             f"`{name}.detach()`; if the reference is meant to train, silence this with "
-            f"`warnings.filterwarnings('ignore', message='`{name}` requires grad')`.",
-            UserWarning,
-            stacklevel=stacklevel,
+            f"`warnings.filterwarnings('ignore', message='`{name}` requires grad')`."
         )
 
 
@@ -190,3 +227,50 @@ def check_temperature(temperature: Any) -> float:
     return float(temperature)
 
 
+
+
+def check_logprobs(named: dict[str, Optional[Tensor]], mask: Optional[Tensor]) -> None:
+    """Refuse a log-prob above 0 (beyond rounding: :data:`LOGPROB_SLACK`) at a valid position, in each
+    tensor of ``named`` (``{name: tensor or None}``; ``mask`` bool or None).
+
+    The usual cause: logits gathered at the tokens (``logits.gather(-1, tokens)``) passed as log-probs.
+    On the CPU the error names the value; on an accelerator the check runs on the device, with no host
+    read (:func:`check_values`). NaN and ``-inf`` pass (handled downstream).
+    """
+    for name, logprob in named.items():
+        if logprob is None:
+            continue
+        slack = LOGPROB_SLACK.get(logprob.dtype, DEFAULT_LOGPROB_SLACK)
+        with torch.no_grad():
+            if host_reads(logprob.device) and logprob.numel() and not torch.compiler.is_compiling():
+                # one vectorized pass: nothing above the slack, mask or not (a NaN max takes the full
+                # check below); torch's comparison into bool is a scalar loop, several times slower
+                if bool(logprob.detach().amax() <= slack):
+                    continue
+            bad = logprob.detach() > slack
+            if mask is not None:
+                bad = bad & mask
+        rule = (
+            f"`{name}` must hold log-probabilities (<= 0): logits gathered at the tokens are not log-probs; use "
+            "`lk.token_logprobs(logits, tokens)` (log_softmax, then gather)"
+        )
+
+        def error(lp: Tensor = logprob, bad: Tensor = bad, rule: str = rule) -> ValueError:
+            return ValueError(f"{rule}. Got {float(lp.detach()[bad][0])!r} at a valid position.")
+
+        check_values(bad, error, rule)
+
+
+def check_lead_shape(name: str, x: object, like_name: str, like: Tensor) -> Tensor:
+    """``x``: a floating point tensor shaped like ``like`` without its last dimension, with a dimension left,
+    on ``like``'s device; the errors name both."""
+    check_floating(name, x)
+    assert isinstance(x, Tensor)
+    if like.ndim < 2 or x.shape != like.shape[:-1]:
+        raise ValueError(
+            f"`{name}` must have the shape of `{like_name}` without the vocabulary dimension, with a token "
+            f"dimension: got {name} {tuple(x.shape)} and {like_name} {tuple(like.shape)}."
+        )
+    if x.device != like.device:
+        raise ValueError(f"`{name}` is on {x.device} but `{like_name}` is on {like.device}.")
+    return x

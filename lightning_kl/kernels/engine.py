@@ -13,29 +13,43 @@ logits, :math:`T` the temperature. Four parts:
   exponentials for the log-sum-exp, then a ``SUM``), ``O(n)`` numbers, from the calling thread, and
   only when the group has more than one rank;
 * an optional **sampler** (:class:`~lightning_kl.Sampling`): the scores :math:`z / T`, then top-k,
-  top-p and min-p as ``generate`` applies them (:func:`~lightning_kl.kernels.processing.process_scores`),
+  top-p and min-p as ``generate`` applies them (:func:`~lightning_kl.ground.sampler.process_scores`),
   removed entries ``-inf``: the processed distribution :math:`\tilde p` on its kept set :math:`K`;
-* a **quantity**, one :class:`torch.autograd.Function` each: the token log-prob, the exact KL to a
-  second source, the token entropy.
+* a **quantity**: the row quantities, token log-prob and entropy (either or both from one read,
+  :class:`_Rows`), or the exact KL to a second source (:class:`_FullKL`).
 
-With :math:`\log \tilde p_i = s_i - \operatorname{lse}(s)` over the processed scores :math:`s` and the
-gradient coming in :math:`g` per row, the backward of each quantity w.r.t. the logits is, on the
-kept set (0 elsewhere; the kept set is a selection and does not move under a small change):
+**Exact at every temperature.** Nothing large is subtracted after the division by :math:`T`. Per row
+(or per part of a row: a tile, a rank's shard), with :math:`m` the largest kept logit (exact in the
+input dtype), the shifted scores and the log-sum
 
 .. math::
-    \frac{\partial \log \tilde p_y}{\partial z_i} = \frac{[i = y] - \tilde p_i}{T}, \qquad
-    \frac{\partial\,\mathrm{KL}}{\partial z_i} = \frac{\tilde p_i (\log \tilde p_i - \log q_i - \mathrm{KL})}{T}, \qquad
-    \frac{\partial\,\mathrm{KL}}{\partial z^{\mathrm{ref}}_i} = \frac{q_i - \tilde p_i}{T}, \qquad
-    \frac{\partial H}{\partial z_i} = -\frac{\tilde p_i (\log \tilde p_i + H)}{T}.
+    e_i = \frac{z_i - m}{T} \le 0, \qquad c = \log \sum_{i \in K} e^{e_i} \ge 0, \qquad
+    \log \tilde p_i = e_i - c, \qquad H = c + A, \quad A = -\sum_{i \in K} \tilde p_i e_i \ge 0
 
-Over a partition, with the local log-sum-exp :math:`l_k` of rank :math:`k`, the global one :math:`l`
-and :math:`w_k = e^{l_k - l}`, the per-rank sums combine exactly:
-:math:`H = \sum_k w_k (h_k + l - l_k)` and
-:math:`\mathrm{KL} = \sum_k w_k (\mathrm{kl}_k + (l^p_k - l^p) - (l^q_k - l^q))`, where :math:`h_k`
-and :math:`\mathrm{kl}_k` are the entropy and the KL of the rank's own renormalized columns; the
-backward needs no collective (the global statistics are saved) except the sum of the hidden states'
-gradient over the group. The sampler's truncation needs whole rows: the entry points refuse it on a
-split vocabulary.
+(the entropy is a sum of two non-negative terms: it does not cancel, and a near tie at
+:math:`T = 10^{-3}` keeps its digits). The log-sum-exp :math:`m / T + c` is never formed. With the
+gradient :math:`g` coming in per row and :math:`u_i = e^{e_i}`, :math:`S = e^c`, the backward w.r.t.
+the logits is, on the kept set (0 elsewhere; the kept set is a selection and does not move under a
+small change):
+
+.. math::
+    \frac{\partial \log \tilde p_y}{\partial z_i} = \frac{[i = y] - u_i / S}{T}, \qquad
+    \frac{\partial H}{\partial z_i} = -\frac{u_i (e_i + A)}{S\,T}, \qquad
+    \frac{\partial\,\mathrm{KL}}{\partial z_i} = \frac{\tilde p_i (\log \tilde p_i - \log q_i - \mathrm{KL})}{T}, \qquad
+    \frac{\partial\,\mathrm{KL}}{\partial z^{\mathrm{ref}}_i} = \frac{q_i - \tilde p_i}{T},
+
+each from the saved :math:`(m, c)`, the same forms as the forward's. The KL is
+:math:`\sum_i \tilde p_i (e^p_i - e^q_i) + (c_q - c_p)`.
+
+Parts (tiles of a head's vocabulary, ranks of a split one) merge as pairs :math:`(m_k, c_k)`
+(:func:`_merge`): :math:`m = \max_k m_k` (a ``MAX`` over the ranks), :math:`d_k = (m_k - m)/T \le 0`,
+:math:`c = \log \sum_k e^{d_k + c_k}` (a ``SUM``), the parts' weights
+:math:`w_k = e^{d_k + c_k - c}`; then :math:`A = \sum_k w_k (A_k - d_k)` and
+:math:`\mathrm{KL} = \sum_k w^p_k (\mathrm{kl}_k + \log w^p_k - \log w^q_k)`, where :math:`A_k` and
+:math:`\mathrm{kl}_k` are those of the part's own renormalized columns: ``O(n)`` numbers from the
+calling thread, collectives only when the group has more than one rank. The backward needs no
+collective (the global :math:`(m, c)` are saved) except the sum of the hidden states' gradient over
+the group. The sampler's truncation needs whole rows: the entry points refuse it on a split vocabulary.
 
 The forward keeps ``O(n)`` numbers per row (log-sum-exps, the value); the backward reads each chunk
 again and writes that chunk of the gradient once, through one writer for logits
@@ -57,8 +71,7 @@ from torch.autograd.function import once_differentiable
 
 from lightning_kl.ground.checks import check_values, compute_dtype
 from lightning_kl.ground.chunks import run_chunks
-from lightning_kl.ground.sampler import Sampling
-from lightning_kl.kernels.processing import process_scores
+from lightning_kl.ground.sampler import Sampling, process_scores
 
 __all__ = [
     "CPU_CHUNK_ELEMENTS",
@@ -67,13 +80,16 @@ __all__ = [
     "HIDDEN_CPU_CHUNK_ELEMENTS",
     "HIDDEN_CPU_TILE_ELEMENTS",
     "HIDDEN_MIN_CHUNK_ROWS",
+    "PLAIN",
     "REFERENCES",
     "WHOLE",
+    "Head",
     "Partition",
     "Source",
     "Tensors",
     "entropy_kernel",
     "full_kl_kernel",
+    "token_logprobs_entropy_kernel",
     "token_logprobs_kernel",
 ]
 
@@ -103,13 +119,35 @@ _NINF = float("-inf")
 _MAX, _SUM = "max", "sum"
 
 
+@dataclass(frozen=True)
+class Head:
+    r"""What a head does after its matmul :math:`a = h W^T + b`: the logits
+    :math:`z = c \tanh(s a / c)` with the logit scale :math:`s` and the soft cap :math:`c` (Gemma 2/3's
+    ``final_logit_softcapping``), or :math:`z = s a` without a cap (Cohere's ``logit_scale``).
+    Checked by the entry points (:class:`~lightning_kl.FromHidden`): ``scale`` finite > 0, ``softcap``
+    None or finite > 0."""
+
+    scale: float = 1.0
+    softcap: Optional[float] = None
+
+    @property
+    def plain(self) -> bool:
+        """Whether the logits are the matmul itself."""
+        return self.scale == 1.0 and self.softcap is None
+
+
+#: The head of a plain ``nn.Linear``: :math:`z = a`.
+PLAIN = Head()
+
+
 class Tensors(NamedTuple):
     """A row source's tensors: logits ``x [..., V]`` (``weight`` None), or hidden states ``x [..., d]``
-    with the head ``weight [V, d]`` and ``bias [V]`` or None."""
+    with the head ``weight [V, d]``, ``bias [V]`` or None, and what the head does after its matmul."""
 
     x: Tensor
     weight: Optional[Tensor] = None
     bias: Optional[Tensor] = None
+    head: Head = PLAIN
 
 
 @dataclass(frozen=True)
@@ -129,13 +167,13 @@ class Partition:
             torch.distributed.all_reduce(x, op=red, group=self.group)
         return x
 
-    def lse(self, local: Tensor) -> Tensor:
-        """The log-sum-exp over the ranks from each rank's ``[..., n]``: a ``MAX``, then a ``SUM`` of exponentials."""
-        return local if self.ranks == 1 else _merge_lse(local, self.reduce)
+    def merge(self, m: Tensor, c: Tensor, temperature: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The whole vocabulary's shift and log-sum from this rank's (:func:`_merge` over the ranks: a ``MAX``, then a ``SUM``)."""
+        return _merge(m, c, temperature, self.reduce)
 
-    def combine(self, local: Tensor, glob: Tensor, value: Tensor) -> Tensor:
-        """``sum_k w_k value_k`` with ``w_k = exp(local_k - glob)`` (0 where ``w_k = 0``): the per-rank parts."""
-        return value if self.ranks == 1 else _merge_parts(local, glob, value, self.reduce)
+    def combine(self, lw: Tensor, value: Tensor) -> Tensor:
+        """``sum_k w_k value_k`` over the ranks, with ``w_k = exp(lw_k)`` (0 where ``w_k = 0``)."""
+        return _weighted(lw, value, self.reduce)
 
 
 WHOLE = Partition()
@@ -145,30 +183,52 @@ def _over_tiles(x: Tensor, op: str) -> Tensor:
     return x.amax(0) if op == _MAX else x.sum(0)
 
 
-def _merge_lse(local: Tensor, reduce: Callable[[Tensor, str], Tensor] = _over_tiles) -> Tensor:
-    """The log-sum-exp of parts' log-sum-exps: a max, then a sum of exponentials, either over the
-    ranks (``reduce`` an ``all_reduce``) or over the first dim, vocabulary tiles (the default)."""
-    m = reduce(local.clone(), _MAX)
-    m = m.masked_fill_(m == _NINF, 0)  # a row that is -inf everywhere keeps lse = -inf, not NaN
-    return reduce(torch.exp(local - m), _SUM).log_().add_(m)
+def _finite(m: Tensor) -> Tensor:
+    """A shift usable in a subtraction: 0 where the max is ``-inf`` (a row without mass stays ``-inf``, not NaN)."""
+    return m.masked_fill(m == _NINF, 0)
 
 
-def _merge_parts(local: Tensor, glob: Tensor, value: Tensor, reduce: Callable[[Tensor, str], Tensor] = _over_tiles) -> Tensor:
-    """``sum_k w_k value_k`` with ``w_k = exp(local_k - glob)`` (0 where ``w_k = 0``), over ranks or tiles."""
-    w = torch.exp(local - glob)
+def _merge(m: Tensor, c: Tensor, temperature: float, reduce: Callable[[Tensor, str], Tensor] = _over_tiles) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    r"""Parts of a vocabulary (tiles, or ranks) merged: each part's log-sum-exp is :math:`m_k / T + c_k`,
+    with :math:`m_k` its largest logit and :math:`c_k \ge 0` (``-inf`` for a part without mass).
+
+    Returns :math:`m = \max_k m_k`, :math:`c = \log \sum_k e^{d_k + c_k}` with
+    :math:`d_k = (m_k - m) / T \le 0`, the :math:`d_k` and the parts' log-weights
+    :math:`\log w_k = d_k + c_k - c` (their shares of the mass). Nothing large is subtracted: the
+    shifts are differences of logits before the division. ``reduce`` reduces over the first dim
+    (tiles, the default) or over the ranks (an ``all_reduce``).
+    """
+    top = reduce(m.clone(), _MAX)
+    d = m - _finite(top)
+    if temperature != 1.0:
+        d = d / temperature
+    t = d + c
+    total = reduce(torch.exp(t), _SUM).log_()
+    return top, total, d, t - total
+
+
+def _weighted(lw: Tensor, value: Tensor, reduce: Callable[[Tensor, str], Tensor] = _over_tiles) -> Tensor:
+    """``sum_k w_k value_k`` with ``w_k = exp(lw_k)`` (0 where ``w_k = 0``), over tiles or ranks."""
+    w = torch.exp(lw)
     return reduce(torch.where(w > 0, w * value, 0), _SUM)
 
 
 class Source:
-    """Rows of logits read by chunks: a ``[..., V]`` tensor in place, or ``hidden @ weight.T + bias``.
+    r"""Rows of logits read by chunks: a ``[..., V]`` tensor in place, or ``hidden @ weight.T + bias``.
 
     A chunk of logits rows is a slice of the ``[n, V]`` view when the leading dims can be viewed as
     one, else it is gathered (``flat`` None: callers pass index tensors). From hidden states a chunk
-    is always a fresh tensor, made in the head's dtype (as the model's own ``nn.Linear`` makes it).
+    is always a fresh tensor, made in the head's dtype (as the model's own ``nn.Linear`` makes it);
+    a head with a logit scale or a soft cap (:class:`Head`) applies them to that matmul in the compute
+    dtype, at least float32. Its gradient's chain rule needs :math:`dz/da = s\,\mathrm{sech}^2(s a / c)`
+    per logit: when a :class:`HeadGrad` asks (:meth:`keep_slopes`), each read in backward keeps that
+    chunk's factor, computed from the pre-activation (no cancellation near the cap), for the
+    :meth:`slope` that follows it (one chunk's worth per thread, never ``[n, V]``).
     """
 
     def __init__(self, t: Tensors) -> None:
-        self.x, self.weight, self.bias = t
+        self.x, self.weight, self.bias, self.head = t
+        self.slopes: Optional[threading.local] = None
         self.lead = self.x.shape[:-1]
         self.n = self.lead.numel()
         self.vocab = self.x.shape[-1] if self.weight is None else self.weight.shape[0]
@@ -197,10 +257,43 @@ class Source:
     def read(self, idx: slice | Tensor, cols: slice = slice(None)) -> tuple[Tensor, bool]:
         """The logits of rows ``idx`` (columns ``cols`` of a head), and whether that is a fresh tensor (ours to overwrite)."""
         if self.weight is not None:
-            return F.linear(self.rows(idx), self.weight[cols], None if self.bias is None else self.bias[cols]), True
+            a = F.linear(self.rows(idx), self.weight[cols], None if self.bias is None else self.bias[cols])
+            return (a if self.head.plain else self._transform(a, idx, cols)), True
         if self.flat is not None:
             return self.rows(idx), not isinstance(idx, slice)
         return self.x[torch.unravel_index(idx, self.lead)], True
+
+    def _transform(self, a: Tensor, idx: slice | Tensor, cols: slice) -> Tensor:
+        """The head's logits from its matmul ``a`` (fresh), in the compute dtype; keeps ``dz/da`` if asked."""
+        scale, cap = self.head.scale, self.head.softcap
+        u = a.to(torch.promote_types(a.dtype, torch.float32))  # a itself when it has that dtype: ours
+        if scale != 1.0:
+            u.mul_(scale)
+        if cap is None:
+            return u
+        u.div_(cap)  # u = s a / c, as the models divide
+        if self.slopes is not None:
+            # dz/da = s sech^2(u), from u: 1 - tanh^2 would cancel near the cap (cosh -> inf gives 0)
+            self.slopes.last = (idx, cols, torch.cosh(u).reciprocal_().square_().mul_(scale))
+        return u.tanh_().mul_(cap)
+
+    def keep_slopes(self) -> None:
+        """Keep each read's ``dz/da`` for :meth:`slope` (a head with a soft cap, in backward)."""
+        if self.head.softcap is not None and self.slopes is None:
+            self.slopes = threading.local()
+
+    def slope(self, idx: slice | Tensor, cols: slice) -> Tensor:
+        """``dz/da`` of rows ``idx``, columns ``cols`` of a soft-capped head: the one kept by the read of
+        that chunk, else made again from the pre-activation (one more matmul)."""
+        last = getattr(self.slopes, "last", None)
+        if last is not None:
+            self.slopes.last = None  # type: ignore[union-attr]
+            if _same(last[0], idx) and _same(last[1], cols):
+                return last[2]
+        assert self.weight is not None and self.head.softcap is not None
+        a = F.linear(self.rows(idx), self.weight[cols], None if self.bias is None else self.bias[cols])
+        u = a.to(torch.promote_types(a.dtype, torch.float32)).mul_(self.head.scale).div_(self.head.softcap)
+        return torch.cosh(u).reciprocal_().square_().mul_(self.head.scale)
 
     def scores(self, idx: slice | Tensor, dtype: torch.dtype, temperature: float, cols: slice = slice(None)) -> Tensor:
         """``z / T`` of rows ``idx`` in the compute dtype, always a fresh tensor (as ``generate`` divides)."""
@@ -223,6 +316,11 @@ class Source:
         return max(HIDDEN_MIN_CHUNK_ROWS, (HIDDEN_CPU_CHUNK_ELEMENTS if cpu else CUDA_CHUNK_ELEMENTS) // max(self.vocab, 1))
 
 
+def _same(a: slice | Tensor, b: slice | Tensor) -> bool:
+    """Whether two row (or column) selections are the same: equal slices, or one index tensor."""
+    return a is b or (isinstance(a, slice) and isinstance(b, slice) and a == b)
+
+
 def _chunks(srcs: tuple[Source, ...], rows: int) -> list[tuple[slice, slice | Tensor]]:
     """The one chunk iterator: ``(output positions, row indices)`` per chunk, index tensors when a
     source cannot be viewed flat."""
@@ -239,11 +337,11 @@ def _run(work: Callable[[tuple[slice, slice | Tensor], Any], None], srcs: tuple[
         run_chunks(work, _chunks(srcs, rows), srcs[0].device, make_state=dict if state else None)
 
 
-def _scratch(state: dict[str, Tensor], shape: torch.Size, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """A reusable contiguous ``[rows, cols]`` buffer (grown on demand; chunks after the first are no larger)."""
-    buf = state.get("buf")
+def _scratch(state: dict[str, Tensor], shape: torch.Size, dtype: torch.dtype, device: torch.device, key: str = "buf") -> Tensor:
+    """A reusable contiguous ``[rows, cols]`` buffer named ``key`` (grown on demand; chunks after the first are no larger)."""
+    buf = state.get(key)
     if buf is None or buf.numel() < shape.numel():
-        buf = state["buf"] = torch.empty(shape.numel(), dtype=dtype, device=device)
+        buf = state[key] = torch.empty(shape.numel(), dtype=dtype, device=device)
     return buf[: shape.numel()].view(shape)
 
 
@@ -270,10 +368,12 @@ class LogitsGrad:
 class HeadGrad:
     """The gradients of ``hidden``, ``weight`` and ``bias`` from chunks ``G`` of the logits' gradient.
 
-    ``dh = G W`` row by row (summed over the ranks of a split vocabulary: the hidden states feed every
-    shard); ``dW = G^T h`` and ``db = sum G`` add up over the chunks in the compute dtype (a ``[V, d]``
-    buffer, float32 for half weights, so that each element is rounded once). Invalid rows' hidden
-    states are zeroed for ``dW``: NaN there must stay out.
+    ``G`` is first taken through the head's logit scale and soft cap (:class:`Head`):
+    ``dL/da = G * s`` without a cap, ``G * s sech^2(s a / c)`` with one (the factor from
+    :meth:`Source.slope`, chunk by chunk). Then ``dh = G W`` row by row (summed over the ranks of a split
+    vocabulary: the hidden states feed every shard); ``dW = G^T h`` and ``db = sum G`` add up over the
+    chunks in the compute dtype (a ``[V, d]`` buffer, float32 for half weights, so that each element
+    is rounded once). Invalid rows' hidden states are zeroed for ``dW``: NaN there must stay out.
     """
 
     def __init__(self, src: Source, needs: tuple[bool, ...], dtype: torch.dtype, invalid: Optional[Tensor]) -> None:
@@ -284,14 +384,19 @@ class HeadGrad:
         self.acc_w = torch.zeros(w.shape, dtype=dtype, device=w.device) if needs[1] else None
         self.acc_b = torch.zeros(w.shape[0], dtype=dtype, device=w.device) if needs[2] and src.bias is not None else None
         self.lock = threading.Lock()
+        src.keep_slopes()
 
     def direct(self, pos: slice, dtype: torch.dtype) -> Optional[Tensor]:
         return None
 
     def put(self, pos: slice, idx: slice | Tensor, g: Tensor, cols: slice = slice(None)) -> None:
         """Add a chunk's (or a vocabulary tile's: columns ``cols``) share of the three gradients."""
-        w = self.src.weight
+        w, head = self.src.weight, self.src.head
         assert w is not None
+        if not head.plain:  # dL/da = dL/dz dz/da, a new tensor (the caller's g stays as it was)
+            g = g * head.scale if head.softcap is None else self.src.slope(idx, cols).mul_(g)
+            if head.softcap is not None and self.invalid is not None:
+                g.masked_fill_(self.invalid[pos].unsqueeze(1), 0)  # 0 * NaN: a NaN hidden state's slope
         if self.grad_h is not None:
             self.grad_h[pos] += torch.mm(g.to(w.dtype), w[cols])
         if self.acc_w is not None or self.acc_b is not None:
@@ -336,8 +441,27 @@ def _zero_invalid(g: Tensor, invalid: Optional[Tensor], pos: slice) -> Tensor:
     return g if invalid is None else g.masked_fill_(invalid[pos].unsqueeze(1), 0)
 
 
+def _shifted(
+    chunk: Tensor, fresh: bool, dtype: torch.dtype, temperature: float, state: dict[str, Tensor], key: str,
+    m: Optional[Tensor] = None, out: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor]:
+    """A chunk's shifted scores ``e = (z - m) / T <= 0`` in the compute dtype, and ``m [c, 1]``.
+
+    ``m`` is the rows' largest logit unless given (the global one, in backward): exact in the input
+    dtype, so ``z - m`` is exact or rounded once before the division. ``e`` is written into ``out``,
+    or into the chunk when it is a fresh one of the compute dtype, else into scratch ``key``: one op
+    reads a half chunk and writes float32 differences.
+    """
+    if m is None:
+        m = chunk.amax(dim=-1, keepdim=True).to(dtype)
+    if out is None:
+        out = chunk if fresh and chunk.dtype == dtype else _scratch(state, chunk.shape, dtype, chunk.device, key)
+    e = torch.sub(chunk, _finite(m), out=out)
+    return (e.div_(temperature) if temperature != 1.0 else e), m
+
+
 # ---------------------------------------------------------------------------------------------
-# the token log-prob
+# the row quantities: the token log-prob and the entropy, one pass for either or both
 
 
 def token_logprobs_kernel(
@@ -358,123 +482,224 @@ def token_logprobs_kernel(
     (0 without truncation), ``outside`` bool. Ignored tokens: 0, 0, False, zero gradient. On a split
     vocabulary each id must be owned by exactly one rank (checked, without a host read off the CPU).
     """
-    return _LogProb.apply(*src, kept_from, ids, ignored, sampling, part, chunk_size)
+    lp, _, log_kept, outside = _Rows.apply(*src, kept_from, ids, ignored, sampling, part, chunk_size, True, False)
+    return lp, log_kept, outside
 
 
-class _LogProb(torch.autograd.Function):
+def entropy_kernel(
+    src: Tensors, invalid: Optional[Tensor], sampling: Sampling, part: Partition = WHOLE, chunk_size: Optional[int] = None
+) -> Tensor:
+    r"""Per-token entropy :math:`H = -\sum_i \tilde p_i \log \tilde p_i` ``[...]`` of the processed
+    distribution of a checked source (``invalid``: None or ``[n]`` bool, value 0 and gradient 0 there)."""
+    return _Rows.apply(*src, None, None, invalid, sampling, part, chunk_size, False, True)[1]
+
+
+def token_logprobs_entropy_kernel(
+    src: Tensors,
+    ids: Tensor,
+    ignored: Optional[Tensor],
+    sampling: Sampling,
+    part: Partition = WHOLE,
+    chunk_size: Optional[int] = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`token_logprobs_kernel` and :func:`entropy_kernel` from one read of the vocabulary per chunk:
+    ``(logprobs, entropy, outside)``, the first two differentiable through one backward pass (one
+    gradient writer). Ignored tokens: 0, 0, False, zero gradient."""
+    lp, ent, _, outside = _Rows.apply(*src, None, ids, ignored, sampling, part, chunk_size, True, True)
+    return lp, ent, outside
+
+
+# the rows of _Rows' per-row statistics: the shift m (largest kept logit), the log-sum c over the kept
+# set, the log-sum over the whole vocabulary (truncation only), the target's logit, the spread A
+_M, _C, _CALL, _ZY, _A = range(5)
+
+
+class _Rows(torch.autograd.Function):
+    r"""Per row, with :math:`e_i = (z_i - m) / T` and :math:`c = \log \sum_{i \in K} e^{e_i}`:
+    :math:`\log \tilde p_y = e_y - c` and :math:`H = c + A`, :math:`A = -\sum_i \tilde p_i e_i \ge 0`
+    (two terms >= 0: nothing cancels). Backward, with :math:`u_i = e^{e_i}` and :math:`1/S = e^{-c}`:
+    :math:`\partial \log \tilde p_y / \partial z_i = ([i = y] - u_i / S) / T` and
+    :math:`\partial H / \partial z_i = -u_i (e_i + A) / (S T)`, the sum of both when both have a
+    gradient (one writer), ``u e = xlogy(u, u)`` (0 where ``u = 0``)."""
+
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any,
         x: Tensor,
         weight: Optional[Tensor],
         bias: Optional[Tensor],
+        head: Head,
         kept_from: Optional[Tensor],
-        ids: Tensor,
+        ids: Optional[Tensor],
         ignored: Optional[Tensor],
         sampling: Sampling,
         part: Partition,
         chunk_size: Optional[int],
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        src = Source(Tensors(x, weight, bias))
+        want_lp: bool,
+        want_ent: bool,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        ctx.set_materialize_grads(False)
+        src = Source(Tensors(x, weight, bias, head))
         support = None if kept_from is None else Source(Tensors(kept_from))
         srcs = (src,) if support is None else (src, support)
         n, dtype, device, temp = src.n, compute_dtype(x), x.device, sampling.temperature
         truncated = sampling.truncates or support is not None
         rows = src.chunk_rows(chunk_size, tiled=not truncated)
-        col = ids - part.offset
-        owned = (col >= 0) & (col < src.vocab)
-        if ignored is not None:
-            owned &= ~ignored
-        col = col.clamp_(0, max(src.vocab - 1, 0)).unsqueeze(1)
-        # per row: the (kept) local log-sum-exp, the target's score, the whole local log-sum-exp
-        stats = torch.zeros((3, n), dtype=dtype, device=device)
-        stats[0].fill_(_NINF)
+        col = owned = None
+        if want_lp:
+            assert ids is not None
+            col = ids - part.offset
+            owned = (col >= 0) & (col < src.vocab)
+            if ignored is not None:
+                owned &= ~ignored
+            col = col.clamp_(0, max(src.vocab - 1, 0)).unsqueeze(1)
+        stats = torch.zeros((5, n), dtype=dtype, device=device)
+        stats[:_ZY].fill_(_NINF)  # an empty shard holds no mass
         outside = torch.zeros(n, dtype=torch.bool, device=device)
         threshold = torch.zeros(n if truncated else 0, dtype=dtype, device=device)
 
+        def whole(pos: slice, idx: slice | Tensor, state: dict[str, Tensor]) -> None:
+            tiles = src.tiles(pos.stop - pos.start, True)
+            parts = torch.empty((len(tiles), 3, pos.stop - pos.start), dtype=dtype, device=device)
+            for k, cols in enumerate(tiles):
+                chunk, fresh = src.read(idx, cols)
+                if want_lp:  # each id lies in one tile, which gives its logit; the others add 0
+                    here, c = _in_tile(col[pos], cols)  # type: ignore[index]
+                    stats[_ZY, pos] += torch.where(here, chunk.gather(1, c).squeeze(1).to(dtype), 0)
+                e, m = _shifted(chunk, fresh, dtype, temp, state, "e")
+                del chunk  # freed before the next tile's matmul
+                u = e.exp_()
+                total = u.sum(dim=-1)
+                parts[k, 0], parts[k, 1] = m.squeeze(1), total.log()
+                if want_ent:
+                    parts[k, 2] = u.xlogy_(u).sum(dim=-1).div_(total).neg_()
+                del e, u
+            if len(tiles) == 1:
+                stats[_M, pos], stats[_C, pos], stats[_A, pos] = parts[0, 0], parts[0, 1], parts[0, 2]
+                return
+            stats[_M, pos], stats[_C, pos], d, lw = _merge(parts[:, 0], parts[:, 1], temp)  # tiles combine as ranks do
+            if want_ent:
+                stats[_A, pos] = _weighted(lw, parts[:, 2] - d)
+
+        def kept(pos: slice, idx: slice | Tensor) -> None:
+            z = src.scores(idx, dtype, 1.0)  # fresh logits in the compute dtype
+            removed = process_scores(z / temp if support is None else support.scores(idx, dtype, temp), sampling) == _NINF
+            if want_lp:
+                stats[_ZY, pos] = z.gather(1, col[pos]).squeeze(1)  # type: ignore[index]
+                outside[pos] = removed.gather(1, col[pos]).squeeze(1)  # type: ignore[index]
+            # the kept set as a threshold on the logits, for the backward: top-k and min-p keep upper sets of
+            # z / T, which are upper sets of z (the rounded division is monotone)
+            threshold[pos] = torch.where(removed, float("inf"), z).amin(dim=-1)
+            # the top is kept by generate's rules; another model's kept set may leave it out
+            m = z.amax(dim=-1, keepdim=True) if support is None else z.masked_fill(removed, _NINF).amax(dim=-1, keepdim=True)
+            e = z.sub_(_finite(m))
+            if temp != 1.0:
+                e.div_(temp)
+            if support is None:
+                u = e.exp_()
+                stats[_CALL, pos] = u.sum(dim=-1).log_()
+                u.masked_fill_(removed, 0)
+            else:  # logits above the kept top: e > 0 there
+                stats[_CALL, pos] = torch.logsumexp(e, dim=-1)
+                u = e.masked_fill_(removed, _NINF).exp_()
+            total = u.sum(dim=-1)
+            stats[_M, pos], stats[_C, pos] = m.squeeze(1), total.log()
+            if want_ent:
+                stats[_A, pos] = u.xlogy_(u).sum(dim=-1).div_(total).neg_()
+
         def work(item: tuple[slice, slice | Tensor], state: Any) -> None:
             pos, idx = item
-            if not truncated:
-                tiles = src.tiles(pos.stop - pos.start, True)
-                part_lse = torch.empty((len(tiles), pos.stop - pos.start), dtype=dtype, device=device)
-                for k, cols in enumerate(tiles):
-                    chunk, fresh = src.read(idx, cols)
-                    # each id lies in one tile, which gives its score; the others add 0
-                    here, c = _in_tile(col[pos], cols)
-                    stats[1, pos] += torch.where(here, chunk.gather(1, c).squeeze(1).to(dtype) / temp, 0)
-                    # lse(z / T) = m / T + log sum exp((z - m) / T): the max is exact in the input dtype,
-                    # and one op reads the half chunk and writes the float32 differences into scratch
-                    # (or into the chunk itself when it is a fresh one of the compute dtype: a head's)
-                    m = chunk.amax(dim=-1, keepdim=True).to(dtype)
-                    own = fresh and chunk.dtype == dtype
-                    e = torch.sub(chunk, m, out=chunk if own else _scratch(state, chunk.shape, dtype, device))
-                    if temp != 1.0:
-                        e.div_(temp)
-                    part_lse[k] = e.exp_().sum(dim=-1).log_().add_(m.squeeze(1) / temp)
-                    del chunk, e  # freed before the next tile's matmul
-                stats[0, pos] = part_lse[0] if len(tiles) == 1 else _merge_lse(part_lse)
-                return
-            z = src.scores(idx, dtype, temp)
-            removed = process_scores(z if support is None else support.scores(idx, dtype, temp), sampling) == _NINF
-            stats[2, pos] = torch.logsumexp(z, dim=-1)
-            stats[1, pos] = z.gather(1, col[pos]).squeeze(1)
-            outside[pos] = removed.gather(1, col[pos]).squeeze(1)
-            # the kept set as a threshold on the scores, for the backward (top-k and min-p keep upper sets)
-            threshold[pos] = torch.where(removed, float("inf"), z).amin(dim=-1)
-            stats[0, pos] = torch.logsumexp(z.masked_fill_(removed, _NINF), dim=-1)
+            if truncated:
+                kept(pos, idx)
+            else:
+                whole(pos, idx, state)
 
         _run(work, srcs, rows, state=True)
-        zy = torch.where(owned, stats[1], 0)
-        if part.split:
-            if ignored is not None:
-                stats[0].masked_fill_(ignored, 0)  # NaN logits of ignored rows stay out of the group's max
-            lse = part.lse(stats[0])
-            packed = part.reduce(torch.stack([zy, owned.to(dtype)]), _SUM)
-            zy, owners = packed[0], packed[1] if ignored is None else packed[1].masked_fill(ignored, 1)
-            unowned = owners != 1
-            check_values(
-                unowned,
-                lambda: ValueError(
-                    f"token id {int(ids[unowned][0])} is owned by {int(owners[unowned][0])} vocabulary shards, not 1: ids "
-                    "must lie in [0, V) of the split vocabulary (or be `ignore_index`), and the shards' offsets must tile it."
-                ),
-                "every token id must be owned by exactly one vocabulary shard: ids in [0, V) (or ignore_index), shards that tile [0, V)",
-            )
-        else:
-            lse = stats[0]
-        out = zy - lse
-        log_kept = (lse - stats[2]) if truncated else torch.zeros_like(out)
+        m, c, zy, spread = stats[_M], stats[_C], stats[_ZY], stats[_A]
+        if ignored is not None:  # NaN logits of ignored rows stay out of the group's max and of the values
+            m.masked_fill_(ignored, 0)
+            c.masked_fill_(ignored, 0)
+            spread.masked_fill_(ignored, 0)
+        if part.ranks > 1:
+            m, c, d, lw = part.merge(m, c, temp)
+            if want_ent:
+                spread = part.combine(lw, spread - d)
+        out = torch.zeros(n, dtype=dtype, device=device)
+        if want_lp:
+            assert owned is not None and ids is not None
+            zy = torch.where(owned, zy, 0)
+            if part.split:
+                packed = part.reduce(torch.stack([zy, owned.to(dtype)]), _SUM)
+                zy, owners = packed[0], packed[1] if ignored is None else packed[1].masked_fill(ignored, 1)
+                unowned = owners != 1
+                check_values(
+                    unowned,
+                    lambda: ValueError(
+                        f"token id {int(ids[unowned][0])} is owned by {int(owners[unowned][0])} vocabulary shards, not 1: ids "
+                        "must lie in [0, V) of the split vocabulary (or be `ignore_index`), and the shards' offsets must tile it."
+                    ),
+                    "every token id must be owned by exactly one vocabulary shard: ids in [0, V) (or ignore_index), shards that tile [0, V)",
+                )
+            out = zy - _finite(m)
+            if temp != 1.0:
+                out.div_(temp)
+            out.sub_(c)
+        ent = c + spread if want_ent else torch.zeros_like(out)
+        log_kept = (stats[_C] - stats[_CALL]) if truncated else torch.zeros_like(out)
         if ignored is not None:
             out.masked_fill_(ignored, 0)
+            ent.masked_fill_(ignored, 0)
             log_kept.masked_fill_(ignored, 0)
             outside.masked_fill_(ignored, False)
         out.masked_fill_(outside, _NINF)
         ctx.save_for_backward(x, weight, bias, kept_from)
-        ctx.saved = (col, owned, ignored, outside, lse, threshold)
-        ctx.sampling, ctx.part, ctx.rows, ctx.truncated = sampling, part, rows, truncated
+        ctx.saved = (col, owned, ignored, outside, m, c, spread, threshold)
+        ctx.sampling, ctx.part, ctx.rows, ctx.truncated, ctx.want = sampling, part, rows, truncated, (want_lp, want_ent)
+        ctx.head = head
         lead = src.lead
-        log_kept, outside = log_kept.view(lead), outside.view(lead)
-        ctx.mark_non_differentiable(log_kept, outside)
-        return out.view(lead), log_kept, outside
+        out, ent, log_kept, outside = out.view(lead), ent.view(lead), log_kept.view(lead), outside.view(lead)
+        ctx.mark_non_differentiable(*(t for t, wanted in ((out, want_lp), (ent, want_ent), (log_kept, False), (outside, False)) if not wanted))
+        return out, ent, log_kept, outside
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, grad_out: Tensor, _g_kept: Any, _g_outside: Any) -> tuple[Optional[Tensor], ...]:
+    def backward(ctx: Any, g_lp: Optional[Tensor], g_ent: Optional[Tensor], _g_kept: Any, _g_outside: Any) -> tuple[Optional[Tensor], ...]:
         x, weight, bias, kept_from = ctx.saved_tensors
-        col, owned, ignored, outside, lse, threshold = ctx.saved
-        sampling, part = ctx.sampling, ctx.part
-        src = Source(Tensors(x, weight, bias))
+        col, owned, ignored, outside, m, c, spread, threshold = ctx.saved
+        sampling, part, (want_lp, want_ent) = ctx.sampling, ctx.part, ctx.want
+        nones = (None,) * 8
+        src = Source(Tensors(x, weight, bias, ctx.head))
         support = None if kept_from is None else Source(Tensors(kept_from))
-        dtype, temp = lse.dtype, sampling.temperature
-        # s = dL/d(log-prob) / T: dl/dz_i = s ([i = y] - [i in K] p~_i); 0 on ignored tokens and on
-        # tokens outside the kept set (their value is -inf whatever the logits: a constant)
-        s = (grad_out.reshape(-1).to(dtype) / temp).masked_fill(outside, 0)
-        if ignored is not None:
-            s = s.masked_fill(ignored, 0)
-        hit, s, lse_t = torch.where(owned, s, 0).unsqueeze(1), s.unsqueeze(1), (lse * temp).unsqueeze(1)
-        writer = _writer(src, ctx.needs_input_grad[:3], dtype, ignored)
+        dtype, temp = m.dtype, sampling.temperature
+        lp_grad, ent_grad = want_lp and g_lp is not None, want_ent and g_ent is not None
+        writer = _writer(src, ctx.needs_input_grad[:3], dtype, ignored) if lp_grad or ent_grad else None
+        if writer is None:
+            return (None, None, None, None, *nones)
+        # the gradient w.r.t. the logits, u_i (alpha + beta e_i) + [i = y] hit: with inv = 1 / (S T),
+        # alpha = -(g_lp + g_H A) inv, beta = -g_H inv, hit = g_lp / T (0 on ignored tokens and on tokens
+        # outside the kept set: their value is -inf whatever the logits, a constant)
+        # 1 / T multiplies both terms alike, so that a row whose kept set is its target alone (S = 1, c = 0)
+        # gets exactly 0
+        inv = torch.exp(-c).mul_(1.0 / temp)
+        alpha, beta, hit = torch.zeros_like(c), None, None
+        if lp_grad:
+            assert g_lp is not None
+            gl = g_lp.reshape(-1).to(dtype).masked_fill(outside, 0)
+            if ignored is not None:
+                gl = gl.masked_fill(ignored, 0)
+            hit = torch.where(owned, gl * (1.0 / temp), 0).unsqueeze(1)
+            alpha = -gl * inv
+        if ent_grad:
+            assert g_ent is not None
+            gh = g_ent.reshape(-1).to(dtype)
+            if ignored is not None:
+                gh = gh.masked_fill(ignored, 0)
+            beta = -gh * inv
+            alpha = alpha + beta * spread
+            beta = beta.unsqueeze(1)
+        alpha, shift = alpha.unsqueeze(1), m.unsqueeze(1)
         # top-p splits tied scores at its boundary, and another model's kept set is no threshold on
-        # these scores: the processing runs again there (the same ops on the same numbers)
+        # these logits: the processing runs again there (the same ops on the same numbers)
         redo = sampling.top_p is not None or support is not None
 
         def work(item: tuple[slice, slice | Tensor], state: Any) -> None:
@@ -483,30 +708,32 @@ class _LogProb(torch.autograd.Function):
             for cols in src.tiles(pos.stop - pos.start, not ctx.truncated):
                 if not ctx.truncated:
                     chunk, fresh = src.read(idx, cols)
-                    # p = exp(z / T - lse) = exp((z - T lse) / T), computed in the gradient itself when it
-                    # has the compute dtype (or in a fresh chunk of it), else in a scratch buffer
-                    p = writer.direct(pos, dtype)
-                    if p is None:
-                        p = chunk if fresh and chunk.dtype == dtype else _scratch(state, chunk.shape, dtype, src.device)
-                    p = torch.sub(chunk, lse_t[pos], out=p)
+                    e, _ = _shifted(chunk, fresh, dtype, temp, state, "e", shift[pos], writer.direct(pos, dtype))
                     del chunk
-                    if temp != 1.0:
-                        p.div_(temp)
                 else:
-                    p = src.scores(idx, dtype, temp)
+                    z = src.scores(idx, dtype, 1.0)
                     if redo:
-                        p.masked_fill_(process_scores(p if support is None else support.scores(idx, dtype, temp), sampling) == _NINF, _NINF)
+                        removed = process_scores(z / temp if support is None else support.scores(idx, dtype, temp), sampling) == _NINF
                     else:
-                        p.masked_fill_(p < threshold[pos].unsqueeze(1), _NINF)
-                    p.sub_(lse[pos].unsqueeze(1))
-                here, c = _in_tile(col[pos], cols)
-                g = p.exp_().mul_(s[pos].neg()).scatter_add_(1, c, torch.where(here.unsqueeze(1), hit[pos], 0))
+                        removed = z < threshold[pos].unsqueeze(1)
+                    e = z.sub_(_finite(shift[pos]))
+                    if temp != 1.0:
+                        e.div_(temp)
+                    e.masked_fill_(removed, _NINF)
+                u = e.exp_()
+                if beta is None:
+                    g = u.mul_(alpha[pos])
+                else:
+                    ue = torch.special.xlogy(u, u, out=_scratch(state, u.shape, dtype, u.device, "ue"))
+                    g = u.mul_(alpha[pos]).addcmul_(ue, beta[pos])
+                if hit is not None:
+                    here, cc = _in_tile(col[pos], cols)
+                    g.scatter_add_(1, cc, torch.where(here.unsqueeze(1), hit[pos], 0))
                 writer.put(pos, idx, _zero_invalid(g, ignored, pos), cols)
-                del p, g
+                del e, u, g
 
-        if writer is not None:
-            _run(work, (src,), ctx.rows, state=True)
-        return (*_grads(writer, part), None, None, None, None, None, None)
+        _run(work, (src,), ctx.rows, state=True)
+        return (*_grads(writer, part), None, *nones)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -535,81 +762,119 @@ def full_kl_kernel(
     return _FullKL.apply(*src, *ref, invalid, sampling, reference, part, chunk_size)
 
 
-def _log_pair(
-    src: Source, ref: Source, idx: slice | Tensor, dtype: torch.dtype, sampling: Sampling, reference: str, lse: Optional[Tensor], cols: slice,
+def _kl_shifted(
+    src: Source, ref: Source, idx: slice | Tensor, dtype: torch.dtype, sampling: Sampling, reference: str, cols: slice,
+    state: dict[str, Tensor], shifts: Optional[tuple[Tensor, Tensor]] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """A chunk's (or tile's) ``log p~``, ``log q`` (``-inf`` off each support) and the log-sum-exps used:
-    the chunk's own when ``lse`` (``[2, c]``) is None, else the global ones given (tiles, a split)."""
-    z, zr = src.scores(idx, dtype, sampling.temperature, cols), ref.scores(idx, dtype, sampling.temperature, cols)
-    if sampling.truncates:
-        z = process_scores(z, sampling)
-        if reference == "processed":
-            zr = process_scores(zr, sampling)
-        elif reference == "policy_kept":
-            zr = zr.masked_fill_(z == _NINF, _NINF)
-    if lse is None:  # log_softmax: z - max - log sum, more precise than z - lse in float32
-        return torch.log_softmax(z, dim=-1), torch.log_softmax(zr, dim=-1), torch.logsumexp(z, dim=-1), torch.logsumexp(zr, dim=-1)
-    return z.sub_(lse[0].unsqueeze(1)), zr.sub_(lse[1].unsqueeze(1)), lse[0], lse[1]
+    """A chunk's (or tile's) shifted scores of both models (:func:`_shifted`), ``-inf`` off each
+    support, and their shifts ``[c, 1]``: the largest kept logits, or the global ones given."""
+    temp = sampling.temperature
+    mp, mq = (None, None) if shifts is None else shifts
+    if not sampling.truncates:
+        z, fz = src.read(idx, cols)
+        ep, mp = _shifted(z, fz, dtype, temp, state, "p", mp)
+        del z
+        r, fr = ref.read(idx, cols)
+        eq, mq = _shifted(r, fr, dtype, temp, state, "q", mq)
+        return ep, eq, mp, mq
+    z, r = src.scores(idx, dtype, 1.0), ref.scores(idx, dtype, 1.0)  # fresh logits in the compute dtype
+    removed = process_scores(z / temp, sampling) == _NINF
+    removed_q = None
+    if reference == "processed":
+        removed_q = process_scores(r / temp, sampling) == _NINF
+    elif reference == "policy_kept":
+        removed_q = removed
+    if mp is None:  # the top is kept by generate's rules; the policy's kept set may leave out the reference's
+        mp = z.amax(dim=-1, keepdim=True)
+        mq = (r if reference != "policy_kept" else r.masked_fill(removed, _NINF)).amax(dim=-1, keepdim=True)
+    assert mq is not None
+    ep, eq = z.sub_(_finite(mp)), r.sub_(_finite(mq))
+    if temp != 1.0:
+        ep.div_(temp), eq.div_(temp)
+    ep.masked_fill_(removed, _NINF)
+    if removed_q is not None:
+        eq.masked_fill_(removed_q, _NINF)
+    return ep, eq, mp, mq
+
+
+# the rows of _FullKL's per-row statistics: each model's shift and log-sum, the KL
+_MP, _CP, _MQ, _CQ, _KL = range(5)
 
 
 class _FullKL(torch.autograd.Function):
+    r"""Per row, with the shifted scores :math:`e^p, e^q` and log-sums :math:`c_p, c_q` of both models
+    (as in :class:`_Rows`): :math:`\log \tilde p_i - \log q_i = (e^p_i - e^q_i) - (c_p - c_q)`, summed
+    with the weights :math:`\tilde p_i = e^{e^p_i} / S_p`."""
+
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any,
         x: Tensor,
         weight: Optional[Tensor],
         bias: Optional[Tensor],
+        head: Head,
         rx: Tensor,
         rweight: Optional[Tensor],
         rbias: Optional[Tensor],
+        rhead: Head,
         invalid: Optional[Tensor],
         sampling: Sampling,
         reference: str,
         part: Partition,
         chunk_size: Optional[int],
     ) -> Tensor:
-        src, ref = Source(Tensors(x, weight, bias)), Source(Tensors(rx, rweight, rbias))
-        dtype = compute_dtype(x, rx)
+        src, ref = Source(Tensors(x, weight, bias, head)), Source(Tensors(rx, rweight, rbias, rhead))
+        dtype, temp = compute_dtype(x, rx), sampling.temperature
         tiled = not sampling.truncates and weight is not None and rweight is not None  # two heads: tiles of both
         rows = src.chunk_rows(chunk_size, tiled)
-        # per row: the policy's and the reference's local log-sum-exps, the local KL
-        stats = torch.zeros((3, src.n), dtype=dtype, device=src.device)
-        stats[:2].fill_(_NINF)
+        stats = torch.zeros((5, src.n), dtype=dtype, device=src.device)
+        stats[:_KL].fill_(_NINF)  # an empty shard holds no mass
 
         def work(item: tuple[slice, slice | Tensor], state: Any) -> None:
             pos, idx = item
             tiles = src.tiles(pos.stop - pos.start, tiled)
-            parts = torch.empty((len(tiles), 3, pos.stop - pos.start), dtype=dtype, device=src.device)
+            parts = torch.empty((len(tiles), 5, pos.stop - pos.start), dtype=dtype, device=src.device)
             for k, cols in enumerate(tiles):
-                logp, logq, parts[k, 0], parts[k, 1] = _log_pair(src, ref, idx, dtype, sampling, reference, None, cols)
-                p = logp.exp()
-                # 0 log 0 = 0 off the policy's support; p > 0 = q gives +inf
-                parts[k, 2] = torch.sub(logp, logq, out=logq).mul_(p).masked_fill_(p == 0, 0).sum(-1)
-                del logp, logq, p
-            many = len(tiles) > 1  # the tiles combine as the ranks do (see Partition)
-            stats[:2, pos] = lse = _merge_lse(parts[:, :2]) if many else parts[0, :2]
-            kl = parts[:, 2] + (parts[:, 0] - lse[0]) - (parts[:, 1] - lse[1]) if many else parts[0, 2]
-            stats[2, pos] = _merge_parts(parts[:, 0], lse[0], kl) if many else kl
+                ep, eq, mp, mq = _kl_shifted(src, ref, idx, dtype, sampling, reference, cols, state)
+                u = torch.exp(ep, out=_scratch(state, ep.shape, dtype, src.device, "u"))
+                sp = u.sum(dim=-1)
+                sq = torch.exp(eq, out=_scratch(state, eq.shape, dtype, src.device, "v")).sum(dim=-1)
+                parts[k, _MP], parts[k, _CP], parts[k, _MQ], parts[k, _CQ] = mp.squeeze(1), sp.log(), mq.squeeze(1), sq.log()
+                # sum_i p_i (e^p_i - e^q_i) + (c_q - c_p); 0 log 0 = 0 off the policy's support, p > 0 = q gives +inf
+                cross = torch.sub(ep, eq, out=eq).mul_(u).masked_fill_(u == 0, 0).sum(dim=-1).div_(sp)
+                parts[k, _KL] = cross + (parts[k, _CQ] - parts[k, _CP])
+                del ep, eq, u
+            if len(tiles) == 1:
+                stats[:, pos] = parts[0]
+                return
+            stats[_MP, pos], stats[_CP, pos], _, lwp = _merge(parts[:, _MP], parts[:, _CP], temp)  # tiles combine as ranks do
+            stats[_MQ, pos], stats[_CQ, pos], _, lwq = _merge(parts[:, _MQ], parts[:, _CQ], temp)
+            stats[_KL, pos] = _weighted(lwp, parts[:, _KL] + lwp - lwq)
 
-        _run(work, (src, ref), rows)
-        local = stats[:2] if invalid is None else stats[:2].masked_fill(invalid, 0)  # NaN padding stays out
-        lse = part.lse(local)
-        kl = part.combine(local[0], lse[0], stats[2] + (local[0] - lse[0]) - (local[1] - lse[1]))
+        _run(work, (src, ref), rows, state=True)
+        local = stats[:_KL] if invalid is None else stats[:_KL].masked_fill(invalid, 0)  # NaN padding stays out
+        kl = stats[_KL]
+        if part.ranks > 1:
+            mp, cp, _, lwp = part.merge(local[_MP], local[_CP], temp)
+            mq, cq, _, lwq = part.merge(local[_MQ], local[_CQ], temp)
+            kl = part.combine(lwp, kl + lwp - lwq)
+            local = torch.stack([mp, cp, mq, cq])
         if invalid is not None:
             kl = kl.masked_fill(invalid, 0)
         ctx.save_for_backward(x, weight, bias, rx, rweight, rbias)
-        ctx.saved = (invalid, lse, kl)
+        ctx.saved = (invalid, local, kl)
         ctx.sampling, ctx.reference, ctx.part, ctx.rows, ctx.tiled = sampling, reference, part, rows, tiled
+        ctx.heads = head, rhead
         return kl.view(src.lead)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Optional[Tensor], ...]:
         x, weight, bias, rx, rweight, rbias = ctx.saved_tensors
-        invalid, lse, kl = ctx.saved
+        invalid, glob, kl = ctx.saved
         sampling, reference = ctx.sampling, ctx.reference
-        src, ref = Source(Tensors(x, weight, bias)), Source(Tensors(rx, rweight, rbias))
-        dtype = lse.dtype
+        src, ref = Source(Tensors(x, weight, bias, ctx.heads[0])), Source(Tensors(rx, rweight, rbias, ctx.heads[1]))
+        dtype = glob.dtype
         g_out = grad_out.reshape(-1).to(dtype)
         if invalid is not None:
             g_out = g_out.masked_fill(invalid, 0)
@@ -626,115 +891,25 @@ class _FullKL(torch.autograd.Function):
         scale = (g_out / sampling.temperature).unsqueeze(1)
         infinite_rows = (kl == float("inf")).unsqueeze(1)  # their scale is 0 here, but 0 * inf is NaN
         finite_kl = kl.masked_fill(infinite_rows.squeeze(1), 0).unsqueeze(1)
+        mp, cp, mq, cq = (t.unsqueeze(1) for t in glob)
         needs = ctx.needs_input_grad
-        w_z, w_ref = _writer(src, needs[:3], dtype, invalid), _writer(ref, needs[3:6], dtype, invalid)
+        w_z, w_ref = _writer(src, needs[:3], dtype, invalid), _writer(ref, needs[4:7], dtype, invalid)
 
         def work(item: tuple[slice, slice | Tensor], state: Any) -> None:
             pos, idx = item
-            given = lse[:, pos] if ctx.part.split or ctx.tiled else None
             for cols in src.tiles(pos.stop - pos.start, ctx.tiled):
-                logp, logq, _, _ = _log_pair(src, ref, idx, dtype, sampling, reference, given, cols)
-                p = logp.exp()
-                if w_ref is not None:
-                    w_ref.put(pos, idx, _zero_invalid(logq.exp().sub_(p).mul_(scale[pos]), invalid, pos), cols)  # (q - p) / T
-                if w_z is not None:
+                ep, eq, _, _ = _kl_shifted(src, ref, idx, dtype, sampling, reference, cols, state, (mp[pos], mq[pos]))
+                logp, logq = ep.sub_(cp[pos]), eq.sub_(cq[pos])
+                p = torch.exp(logp, out=_scratch(state, logp.shape, dtype, src.device, "u"))
+                if w_ref is not None:  # (q - p) / T
+                    g_ref = torch.exp(logq, out=_scratch(state, logq.shape, dtype, src.device, "v")).sub_(p).mul_(scale[pos])
+                    w_ref.put(pos, idx, _zero_invalid(g_ref, invalid, pos), cols)
+                if w_z is not None:  # p (log p - log q - KL) / T
                     g = logp.sub_(logq).sub_(finite_kl[pos]).mul_(p).masked_fill_(p == 0, 0)
                     g = g.masked_fill_(infinite_rows[pos], 0).mul_(scale[pos])
                     w_z.put(pos, idx, _zero_invalid(g, invalid, pos), cols)
-                del logp, logq, p
+                del ep, eq, logp, logq, p
 
         if w_z is not None or w_ref is not None:
-            _run(work, (src, ref), ctx.rows)
-        return (*_grads(w_z, ctx.part), *_grads(w_ref, ctx.part), None, None, None, None, None)
-
-
-# ---------------------------------------------------------------------------------------------
-# the token entropy
-
-
-def entropy_kernel(
-    src: Tensors, invalid: Optional[Tensor], sampling: Sampling, part: Partition = WHOLE, chunk_size: Optional[int] = None
-) -> Tensor:
-    r"""Per-token entropy :math:`H = -\sum_i \tilde p_i \log \tilde p_i` ``[...]`` of the processed
-    distribution of a checked source (``invalid``: None or ``[n]`` bool, value 0 and gradient 0 there)."""
-    return _Entropy.apply(*src, invalid, sampling, part, chunk_size)
-
-
-def _log_probs(
-    src: Source, idx: slice | Tensor, dtype: torch.dtype, sampling: Sampling, lse: Optional[Tensor], cols: slice
-) -> tuple[Tensor, Tensor]:
-    """A chunk's (or tile's) processed ``log p~`` and the log-sum-exp used (the chunk's own when ``lse`` is None)."""
-    z = src.scores(idx, dtype, sampling.temperature, cols)
-    if sampling.truncates:
-        z = process_scores(z, sampling)
-    if lse is None:  # as in _log_pair
-        return torch.log_softmax(z, dim=-1), torch.logsumexp(z, dim=-1)
-    return z.sub_(lse.unsqueeze(1)), lse
-
-
-class _Entropy(torch.autograd.Function):
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        x: Tensor,
-        weight: Optional[Tensor],
-        bias: Optional[Tensor],
-        invalid: Optional[Tensor],
-        sampling: Sampling,
-        part: Partition,
-        chunk_size: Optional[int],
-    ) -> Tensor:
-        src = Source(Tensors(x, weight, bias))
-        tiled = not sampling.truncates and weight is not None
-        dtype, rows = compute_dtype(x), src.chunk_rows(chunk_size, tiled)
-        stats = torch.zeros((2, src.n), dtype=dtype, device=src.device)  # local lse, local entropy
-        stats[0].fill_(_NINF)
-
-        def work(item: tuple[slice, slice | Tensor], state: Any) -> None:
-            pos, idx = item
-            tiles = src.tiles(pos.stop - pos.start, tiled)
-            parts = torch.empty((len(tiles), 2, pos.stop - pos.start), dtype=dtype, device=src.device)
-            for k, cols in enumerate(tiles):
-                logp, parts[k, 0] = _log_probs(src, idx, dtype, sampling, None, cols)
-                parts[k, 1] = logp.exp().mul_(logp).masked_fill_(logp == _NINF, 0).sum(-1).neg_()
-                del logp
-            many = len(tiles) > 1  # the tiles combine as the ranks do (see Partition)
-            stats[0, pos] = lse = _merge_lse(parts[:, 0]) if many else parts[0, 0]
-            stats[1, pos] = _merge_parts(parts[:, 0], lse, parts[:, 1] + lse - parts[:, 0]) if many else parts[0, 1]
-
-        _run(work, (src,), rows)
-        local = stats[0] if invalid is None else stats[0].masked_fill(invalid, 0)
-        lse = part.lse(local)
-        ent = part.combine(local, lse, stats[1] + lse - local)
-        if invalid is not None:
-            ent = ent.masked_fill(invalid, 0)
-        ctx.save_for_backward(x, weight, bias)
-        ctx.saved = (invalid, lse, ent)
-        ctx.sampling, ctx.part, ctx.rows, ctx.tiled = sampling, part, rows, tiled
-        return ent.view(src.lead)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, grad_out: Tensor) -> tuple[Optional[Tensor], ...]:
-        x, weight, bias = ctx.saved_tensors
-        invalid, lse, ent = ctx.saved
-        src, dtype = Source(Tensors(x, weight, bias)), lse.dtype
-        g_out = grad_out.reshape(-1).to(dtype)
-        if invalid is not None:
-            g_out = g_out.masked_fill(invalid, 0)
-        scale, ent = (g_out / ctx.sampling.temperature).neg_().unsqueeze(1), ent.unsqueeze(1)
-        writer = _writer(src, ctx.needs_input_grad[:3], dtype, invalid)
-
-        def work(item: tuple[slice, slice | Tensor], state: Any) -> None:
-            pos, idx = item
-            assert writer is not None
-            for cols in src.tiles(pos.stop - pos.start, ctx.tiled):
-                logp, _ = _log_probs(src, idx, dtype, ctx.sampling, lse[pos] if ctx.part.split or ctx.tiled else None, cols)
-                p = logp.exp()
-                g = logp.add_(ent[pos]).mul_(p).masked_fill_(p == 0, 0).mul_(scale[pos])  # -p (log p + H) / T
-                writer.put(pos, idx, _zero_invalid(g, invalid, pos), cols)
-                del logp, p, g
-
-        if writer is not None:
-            _run(work, (src,), ctx.rows)
-        return (*_grads(writer, ctx.part), None, None, None, None)
+            _run(work, (src, ref), ctx.rows, state=True)
+        return (*_grads(w_z, ctx.part), None, *_grads(w_ref, ctx.part), None, None, None, None, None, None)

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from lightning_kl.ground.sampler import Sampling
 from lightning_kl.ground.vocab_shards import VocabShard, as_vocab_shard, is_vocab_parallel
-from lightning_kl.kernels.engine import WHOLE, Partition, Tensors, full_kl_kernel
+from lightning_kl.kernels.engine import PLAIN, WHOLE, Head, Partition, Tensors, full_kl_kernel
 
 __all__ = ["full_kl_compute", "full_kl_from_hidden_compute", "head_source", "logits_source", "same_partition"]
 
@@ -34,12 +34,16 @@ def logits_source(x: Any, name: str) -> tuple[Tensors, Partition]:
     return Tensors(x), WHOLE
 
 
-def head_source(hidden: Tensor, weight: Any, bias: Optional[Tensor], name: str = "weight") -> tuple[Tensors, Partition]:
-    """Hidden states and a head ``[V, d]``, or this rank's rows of a column-parallel head (a :class:`VocabShard`)."""
+def head_source(
+    hidden: Tensor, weight: Any, bias: Optional[Tensor], name: str = "weight", head: Head = PLAIN
+) -> tuple[Tensors, Partition]:
+    """Hidden states and a head ``[V, d]``, or this rank's rows of a column-parallel head (a :class:`VocabShard`),
+    with what the head does after its matmul (``head``: a logit scale, a soft cap; elementwise, so a shard's
+    columns take it alike)."""
     if isinstance(weight, VocabShard):
         shard = as_vocab_shard(weight, name)
-        return Tensors(hidden, shard.local, bias), _partition(shard)
-    return Tensors(hidden, weight, bias), WHOLE
+        return Tensors(hidden, shard.local, bias, head), _partition(shard)
+    return Tensors(hidden, weight, bias, head), WHOLE
 
 
 def same_partition(a: Partition, a_name: str, b: Partition, b_name: str) -> Partition:
@@ -71,9 +75,12 @@ def full_kl_compute(logits: Any, ref_logits: Any, mask: Optional[Tensor], sampli
 def full_kl_from_hidden_compute(
     hidden: Tensor, weight: Any, bias: Optional[Tensor], ref_hidden: Tensor, ref_weight: Any, ref_bias: Optional[Tensor],
     mask: Optional[Tensor], sampling: Sampling = Sampling(), chunk_size: Optional[int] = None,
+    head: Head = PLAIN, ref_head: Head = PLAIN,
 ) -> Tensor:
-    """:func:`full_kl_compute` of the logits made from checked hidden states and heads."""
-    (src, part), (ref, ref_part) = head_source(hidden, weight, bias), head_source(ref_hidden, ref_weight, ref_bias, "ref_weight")
+    """:func:`full_kl_compute` of the logits made from checked hidden states and heads (``head``,
+    ``ref_head``: each head's logit scale and soft cap)."""
+    src, part = head_source(hidden, weight, bias, "weight", head)
+    ref, ref_part = head_source(ref_hidden, ref_weight, ref_bias, "ref_weight", ref_head)
     part = same_partition(part, "weight", ref_part, "ref_weight")
     invalid = None if mask is None else ~mask.reshape(-1)
     return full_kl_kernel(src, ref, invalid, sampling, "unprocessed", part, chunk_size)

@@ -7,39 +7,20 @@ from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_kl.callbacks.faults import ControllerFaultCallback
 from lightning_kl.controllers import FixedKLController, KLController
 from lightning_kl.estimators import SAMPLED_ESTIMATORS, SampledEstimatorName, parse_estimator
-from lightning_kl.functional import check_pair, kl_penalty_compute
-from lightning_kl.ground.checks import check_mask, compute_dtype
+from lightning_kl.compute import kl_penalty_compute
+from lightning_kl.ground.checks import check_logprobs, check_mask, compute_dtype
+from lightning_kl.inputs import check_pair
+from lightning_kl.reduce import masked_row_sums
 from lightning_kl.ground.parallel import check_parallel_args, data_parallel_group
 
-__all__ = ["ControllerFaultCallback", "KLRewardCallback"]
-
-
-class ControllerFaultCallback(Callback):
-    """A callback whose KL controllers record faults on the device (a non-finite global KL) without a host
-    read per step: :meth:`_raise_pending` reads them, and so raises them, every ``log_every_n_steps``
-    batches (as often as Lightning's loggers read the logged values) and at the end of each epoch. The base
-    of :class:`KLRewardCallback` and :class:`~lightning_kl.KLLossCallback`."""
-
-    @override
-    def on_train_batch_end(
-        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        if (batch_idx + 1) % max(1, trainer.log_every_n_steps) == 0:
-            self._raise_pending()  # as often as Lightning's loggers read the logged values
-
-    @override
-    def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self._raise_pending()
-
-    def _raise_pending(self) -> None:
-        raise NotImplementedError
+__all__ = ["KLRewardCallback"]
 
 
 class KLRewardCallback(ControllerFaultCallback):
@@ -102,8 +83,8 @@ class KLRewardCallback(ControllerFaultCallback):
 
     Raises:
         ValueError: at construction, for an unknown estimator or a bad argument; at a step, for a
-            batch that is not a mapping, misses a key (named, with the keys it has) or holds tensors
-            whose shapes do not fit (named).
+            batch that is not a mapping, misses a key (named, with the keys it has), holds tensors
+            whose shapes do not fit (named), or log-probs above 0 at valid positions (the loss's check).
     """
 
     def __init__(
@@ -193,6 +174,7 @@ class KLRewardCallback(ControllerFaultCallback):
             raise ValueError(f"`{self.logprobs_key}` must have a token dimension, got shape {tuple(logprobs.shape)}.")
         mask = check_mask(batch[self.mask_key], logprobs, self.logprobs_key)
         assert mask is not None
+        check_logprobs({self.logprobs_key: logprobs, self.ref_logprobs_key: ref_logprobs}, mask)
         if not isinstance(scores, Tensor):
             raise TypeError(f"`{self.scores_key}` must be a tensor, got {type(scores).__name__}.")
 
@@ -214,9 +196,9 @@ class KLRewardCallback(ControllerFaultCallback):
                 )
             batch[self.rewards_key] = rewards
 
-            counts = mask.sum(-1)
+            sums, counts = masked_row_sums(kl, mask)
             valid = counts > 0
-            seq_kl = kl.to(torch.float64).sum(-1) / counts.clamp(min=1)
+            seq_kl = sums / counts.clamp(min=1)
             kl_sum = torch.where(valid, seq_kl, torch.zeros((), dtype=torch.float64, device=kl.device)).sum()
             n_seqs = valid.sum().to(torch.float64)
         return rewards, kl_sum, n_seqs

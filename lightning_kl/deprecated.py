@@ -14,11 +14,11 @@ deprecated                                             replacement
 
 from __future__ import annotations
 
-import warnings
 from typing import NamedTuple, Optional
 
 from torch import Tensor
 
+from lightning_kl.ground.checks import warn_user
 from lightning_kl.ground.sampler import Sampling
 from lightning_kl.logprobs import OUTSIDE_MODES, REFERENCES, FromHidden, full_kl, token_logprobs
 
@@ -38,7 +38,7 @@ class SampledLogprobs(NamedTuple):
 
 
 def _warn(old: str, new: str) -> None:
-    warnings.warn(f"lk.{old} is deprecated: use {new}.", DeprecationWarning, stacklevel=3)
+    warn_user(f"lk.{old} is deprecated: use {new}.", DeprecationWarning)
 
 
 def processed_logprobs(

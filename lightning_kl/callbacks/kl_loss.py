@@ -3,13 +3,22 @@ r"""``KLLossCallback``: every :class:`~lightning_kl.KLPenaltyLoss` of a Lightnin
 An ``nn.Module`` inside a ``LightningModule`` has no link to the Trainer, yet the loss needs the
 Trainer's ``accumulate_grad_batches`` (Lightning divides each micro-batch's loss by it) and the end of
 each optimizer step. This callback finds every ``KLPenaltyLoss`` in ``pl_module.modules()`` at
-``setup`` and hands it the Trainer (:meth:`~lightning_kl.KLPenaltyLoss.attach`): it works whatever the
-``training_step``'s argument names, wrappers or ``torch.compile``.
+``setup``, and again at the start of each fit, validation, test or prediction (after ``configure_model``,
+so that a loss built there is found too), and hands it the Trainer
+(:meth:`~lightning_kl.KLPenaltyLoss.attach`): it works whatever the ``training_step``'s argument names,
+wrappers or ``torch.compile``. With no ``KLPenaltyLoss`` alive in the process it does nothing.
 
 Installing lightning-kl registers a factory of this callback under Lightning's
-``lightning.pytorch.callbacks_factory`` entry point, so every ``Trainer`` gets one by itself (Lightning
-logs "Adding 1 callbacks from entry point 'lightning_kl'"). Passing one in ``Trainer(callbacks=...)``
-is harmless: only the first instance in the Trainer's list acts.
+``lightning.pytorch.callbacks_factory`` entry point (the top-level module ``_lightning_kl_entry``, which
+imports nothing of the package): a ``Trainer`` built after ``import lightning_kl`` gets one by itself
+(Lightning logs "Adding 1 callbacks from entry point 'lightning_kl'"); other Trainers get none. Passing
+one in ``Trainer(callbacks=...)`` is harmless: only the first instance in the Trainer's list acts. Where
+entry points are not read (the package used from a source tree) or under Fabric, a controlled loss that
+runs with no step closed warns once, naming the fix.
+
+When a fit starts and when it ends (normally or by an exception) it drops the KL sums of an optimizer step
+left open (a fit stopped inside an accumulation window), so that the next fit's first coefficient update
+sees its own micro-batches only.
 
 It also closes the optimizer step of every loss whose ``coef`` is a controller
 (:meth:`~lightning_kl.KLPenaltyLoss.update_coef`) in ``on_before_optimizer_step``: Lightning calls that
@@ -33,16 +42,21 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 from typing_extensions import override
 
-from lightning_kl.callback import ControllerFaultCallback, KLRewardCallback
+from lightning_kl.callbacks.faults import ControllerFaultCallback
+from lightning_kl.callbacks.kl_reward import KLRewardCallback
 from lightning_kl.controllers import KLController
 from lightning_kl.entropy import EntropyBonus
-from lightning_kl.loss import KLPenaltyLoss
+from lightning_kl.loss import KLPenaltyLoss, live_losses
 
 __all__ = ["KLLossCallback", "attach_losses", "callbacks_factory"]
 
 
 def attach_losses(trainer: Optional["pl.Trainer"], pl_module: "pl.LightningModule") -> list[KLPenaltyLoss]:
-    """Hand ``trainer`` (None: detach) to every :class:`KLPenaltyLoss` in ``pl_module``; returns them."""
+    """Hand ``trainer`` (None: detach) to every :class:`KLPenaltyLoss` in ``pl_module``; returns them.
+
+    No walk over the module when no loss is alive in the process."""
+    if not live_losses():
+        return []
     losses = [m for m in pl_module.modules() if isinstance(m, KLPenaltyLoss)]
     for loss in losses:
         loss.attach(trainer)
@@ -65,6 +79,44 @@ class KLLossCallback(ControllerFaultCallback):
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if self._acts(trainer):
             attach_losses(trainer, pl_module)
+
+    @override
+    def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        # after configure_model: a loss built there is attached too; a step left open by an earlier fit is dropped
+        if self._acts(trainer):
+            for loss in attach_losses(trainer, pl_module):
+                loss.reset_step()
+
+    @override
+    def on_validation_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._attach_outside_fit(trainer, pl_module)
+
+    @override
+    def on_test_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._attach_outside_fit(trainer, pl_module)
+
+    @override
+    def on_predict_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._attach_outside_fit(trainer, pl_module)
+
+    def _attach_outside_fit(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        # trainer.validate/test/predict: after configure_model too (inside a fit, on_fit_start did it)
+        if self._acts(trainer) and not getattr(trainer.state, "fn", None) == "fit":
+            attach_losses(trainer, pl_module)
+
+    @override
+    def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._reset_steps(trainer)
+
+    @override
+    def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
+        self._reset_steps(trainer)
+
+    def _reset_steps(self, trainer: "pl.Trainer") -> None:
+        # a fit that ends inside an accumulation window leaves its KL sums: the next fit must not mix them in
+        if self._acts(trainer):
+            for _, loss in getattr(self, "_losses", ()):
+                loss.reset_step()
 
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -120,6 +172,7 @@ class KLLossCallback(ControllerFaultCallback):
     @override
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if self._acts(trainer):
+            self._reset_steps(trainer)
             attach_losses(None, pl_module)
         self._losses = []
 
@@ -133,5 +186,5 @@ def _chain(controller: KLController) -> list[KLController]:
 
 
 def callbacks_factory() -> list[Any]:
-    """The entry point Lightning calls for every new Trainer (``lightning.pytorch.callbacks_factory``)."""
+    """What the entry point gives a Trainer (see ``_lightning_kl_entry``): ``[KLLossCallback()]``."""
     return [KLLossCallback()]

@@ -13,8 +13,8 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
-from lightning_kl.callback import KLRewardCallback
-from lightning_kl.mixing import check_alpha, check_foldable, check_mixable, fold_adapters_, mix_modules_
+from lightning_kl.callbacks.kl_reward import KLRewardCallback
+from lightning_kl.refresh.mixing import check_alpha, check_foldable, check_mixable, fold_adapters_, mix_modules_
 
 __all__ = ["ReferenceRefresh"]
 
@@ -59,13 +59,13 @@ class ReferenceRefresh(Callback):
 
     **Which reference.** ``policy`` and ``reference`` name LightningModule attributes (dotted paths
     allowed). With a separate reference model (full fine-tuning), each parameter and floating
-    buffer is mixed in place, matched by name (:func:`lightning_kl.mixing.mix_modules_`); under
+    buffer is mixed in place, matched by name (:func:`lightning_kl.refresh.mixing.mix_modules_`); under
     DDP every process computes the same reference from the same policy, and under FSDP2
     (``ModelParallelStrategy``) each process updates its own ``DTensor`` shards: no collective, no
     gather. ``reference=None`` says **the reference is the policy with its LoRA adapters off**
     (``peft``; :func:`lightning_kl.hf.reference_logprobs`): a refresh then folds the share ``alpha``
     of each active adapter into its base weight and keeps ``1 - alpha`` of it in the adapter
-    (:func:`lightning_kl.mixing.fold_adapters_`: ``W += alpha * s * B @ A``, ``B *= 1 - alpha``).
+    (:func:`lightning_kl.refresh.mixing.fold_adapters_`: ``W += alpha * s * B @ A``, ``B *= 1 - alpha``).
     The policy is unchanged (up to the rounding of the sum), the adapters-off model becomes
     ``alpha * policy + (1 - alpha) * reference`` exactly, and the memory stays that of one model
     and one adapter; ``alpha=1`` merges the adapters and restarts them at ``B = 0`` (``A`` keeps its

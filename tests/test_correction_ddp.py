@@ -1,0 +1,78 @@
+"""``RolloutCorrection(batch_normalize=True)`` under 2 gloo processes: an input refused on one process is
+refused on every process, promptly, instead of one raising while the other waits in the all-reduce of
+the mean weight until the process group's timeout (``tests/_correction_ddp_worker.py``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+import lightning_kl as lk
+from _ddp import run_ddp_worker
+
+WORKER_PATH = Path(__file__).with_name("_correction_ddp_worker.py")
+_spec = importlib.util.spec_from_file_location("_correction_ddp_worker", WORKER_PATH)
+assert _spec is not None and _spec.loader is not None
+worker = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(worker)
+
+PROMPT_S = 20.0  # far below the process group's timeout (60 s): nobody waited for it
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    out = run_ddp_worker(WORKER_PATH, tmp_path_factory.mktemp("correction_ddp"), world=worker.WORLD, timeout=150)
+    for r in out:
+        assert "failure" not in r, r["failure"]
+    return out
+
+
+def _global_weights() -> list[list[list[float]]]:
+    """Each rank's share of the weights normalized by the global mean (one process, both ranks' rows)."""
+    rows = [worker._inputs(rank) for rank in range(worker.WORLD)]
+    lp, ro, mask = (torch.cat([r[i] for r in rows]) for i in range(3))
+    w = lk.RolloutCorrection("token", upper=2.0, batch_normalize=True)(lp, ro, mask).weights
+    return [w[2 * rank : 2 * rank + 2].tolist() for rank in range(worker.WORLD)]
+
+
+@pytest.mark.parametrize(
+    "case,found_on,match",
+    [
+        ("mask_half_on_rank0", 0, r"`mask` must hold only 0 and 1 \(or be bool\), got 0\.5"),
+        ("logprob_above_0_on_rank1", 1, r"`logprob` must hold log-probabilities \(<= 0\)"),
+        ("not_a_tensor_on_rank1", 1, r"`logprob` must be a torch.Tensor, got list"),
+    ],
+)
+def test_an_input_refused_on_one_rank_raises_the_same_error_on_every_rank(
+    records: list[dict[str, Any]], case: str, found_on: int, match: str
+) -> None:
+    results = [r["cases"][case] for r in records]
+    for rank, result in enumerate(results):
+        assert result.get("error") == "ValueError", (rank, result)
+        assert result["seconds"] < PROMPT_S, (rank, result["seconds"])
+    assert results[0]["message"] == results[1]["message"]
+    assert f"(found on rank {found_on}; every rank raises this error)" in results[0]["message"]
+    assert re.search(match, results[0]["message"]), results[0]["message"]
+
+
+def test_the_device_form_stops_every_rank_without_a_host_read(records: list[dict[str, Any]]) -> None:
+    # no host read per call (an accelerator's form): the rank that refused raises its own error, the
+    # other stops on the device assertion (synchronous on CPU)
+    r0, r1 = (r["cases"]["device_form_mask_half_on_rank0"] for r in records)
+    assert r0["error"] == "ValueError" and "got 0.5" in r0["message"]
+    assert r1["error"] == "RuntimeError" and "another data parallel process refused its inputs" in r1["message"]
+    assert max(r0["seconds"], r1["seconds"]) < PROMPT_S
+
+
+def test_good_steps_around_the_failures_normalize_by_the_global_mean(records: list[dict[str, Any]]) -> None:
+    # the failures left no collective unmatched: the steps after them still pair up across ranks
+    want = _global_weights()
+    for rank, r in enumerate(records):
+        for case in ("good", "good_after", "good_at_last"):
+            assert_close(torch.tensor(r["cases"][case]["weights"]), torch.tensor(want[rank]), rtol=1e-12, atol=0)
