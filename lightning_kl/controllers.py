@@ -35,6 +35,7 @@ __all__ = [
     "SCHEDULE_KINDS",
     "TargetKLController",
     "adaptive_kl_factor",
+    "check_number",
     "schedule_scale",
     "target_kl_factor",
 ]
@@ -44,7 +45,8 @@ Number = TypeVar("Number", float, Tensor)
 _NON_FINITE, _NON_POSITIVE = 1.0, 2.0  # fault codes recorded on the device
 
 
-def _check_number(name: str, value: Any, *, positive: bool) -> float:
+def check_number(name: str, value: Any, *, positive: bool) -> float:
+    """A controller's setting: a finite real number (not a bool), > 0 if ``positive`` else >= 0, as a float."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"`{name}` must be a finite number, got {value!r}.")
     if positive and not value > 0:
@@ -229,7 +231,7 @@ class FixedKLController(KLController):
     """
 
     def __init__(self, kl_coef: float = 0.001) -> None:
-        self.value = _check_number("kl_coef", kl_coef, positive=False)
+        self.value = check_number("kl_coef", kl_coef, positive=False)
 
     def _factor(self, current_kl: Number, n_steps: Number) -> None:
         return None
@@ -263,9 +265,9 @@ class AdaptiveKLController(KLController):
     """
 
     def __init__(self, init_kl_coef: float = 0.2, target_kl: float = 6.0, horizon: int = 10000) -> None:
-        self.value = _check_number("init_kl_coef", init_kl_coef, positive=True)
-        self.target_kl = _check_number("target_kl", target_kl, positive=True)
-        self.horizon = _check_number("horizon", horizon, positive=True)
+        self.value = check_number("init_kl_coef", init_kl_coef, positive=True)
+        self.target_kl = check_number("target_kl", target_kl, positive=True)
+        self.horizon = check_number("horizon", horizon, positive=True)
 
     def _factor(self, current_kl: Number, n_steps: Number) -> Number:
         return adaptive_kl_factor(current_kl, self.target_kl, n_steps, self.horizon)
@@ -359,15 +361,15 @@ class TargetKLController(KLController):
         min_kl_coef: float = 1e-6,
         max_kl_coef: float = 100.0,
     ) -> None:
-        self.target_kl = _check_number("target_kl", target_kl, positive=True)
-        self.step_size = _check_number("step_size", step_size, positive=True)
-        self.min_kl_coef = _check_number("min_kl_coef", min_kl_coef, positive=True)
-        self.max_kl_coef = _check_number("max_kl_coef", max_kl_coef, positive=True)
+        self.target_kl = check_number("target_kl", target_kl, positive=True)
+        self.step_size = check_number("step_size", step_size, positive=True)
+        self.min_kl_coef = check_number("min_kl_coef", min_kl_coef, positive=True)
+        self.max_kl_coef = check_number("max_kl_coef", max_kl_coef, positive=True)
         if self.min_kl_coef > self.max_kl_coef:
             raise ValueError(
                 f"`min_kl_coef` ({min_kl_coef!r}) must be <= `max_kl_coef` ({max_kl_coef!r})."
             )
-        init = _check_number("init_kl_coef", init_kl_coef, positive=True)
+        init = check_number("init_kl_coef", init_kl_coef, positive=True)
         if not self.min_kl_coef <= init <= self.max_kl_coef:
             raise ValueError(
                 f"`init_kl_coef` must be within [min_kl_coef, max_kl_coef] = [{min_kl_coef!r}, {max_kl_coef!r}], "
@@ -469,7 +471,7 @@ class KLSchedule(KLController):
         if isinstance(controller, KLController):
             self.controller = controller
         elif isinstance(controller, (int, float)) and not isinstance(controller, bool):
-            self.controller = FixedKLController(_check_number("controller", controller, positive=False))
+            self.controller = FixedKLController(check_number("controller", controller, positive=False))
         else:
             raise ValueError(f"`controller` must be a number >= 0 or a KLController, got {controller!r}.")
         if kind not in SCHEDULE_KINDS:
@@ -488,7 +490,7 @@ class KLSchedule(KLController):
                 raise ValueError(f"KLSchedule(kind={kind!r}) needs `total_steps` (> warmup_steps={warmup_steps}).")
             _check_steps("total_steps", total_steps, self.warmup_steps + 1)
         self.total_steps = total_steps
-        self.final_scale = _check_number("final_scale", final_scale, positive=False)
+        self.final_scale = check_number("final_scale", final_scale, positive=False)
         self.step = 0
 
     @property

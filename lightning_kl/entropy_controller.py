@@ -24,22 +24,12 @@ from typing import Any, Optional, Union
 import torch
 from torch import Tensor
 
-from lightning_kl.controllers import KLController, Number
+from lightning_kl.controllers import KLController, Number, check_number
 
 __all__ = ["ENTROPY_RULES", "TargetEntropyController", "target_entropy_factor"]
 
 #: The rules of :class:`TargetEntropyController`.
 ENTROPY_RULES = ("dual", "additive")
-
-
-def _check_number(name: str, value: Any, *, positive: bool) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"`{name}` must be a finite number, got {value!r}.")
-    if positive and not value > 0:
-        raise ValueError(f"`{name}` must be > 0, got {value!r}.")
-    if not positive and value < 0:
-        raise ValueError(f"`{name}` must be >= 0, got {value!r}.")
-    return float(value)
 
 
 def target_entropy_factor(entropy: Number, target_entropy: float, step_size: float) -> Number:
@@ -127,16 +117,16 @@ class TargetEntropyController(KLController):
             raise ValueError(f"Unknown entropy rule {rule!r}. Valid rules: {', '.join(map(repr, ENTROPY_RULES))}.")
         self.rule = rule
         dual = rule == "dual"
-        self.target_entropy = _check_number("target_entropy", target_entropy, positive=True)
-        self.step_size = _check_number("step_size", step_size, positive=True)
-        self.coef_delta = _check_number("coef_delta", coef_delta, positive=True)
+        self.target_entropy = check_number("target_entropy", target_entropy, positive=True)
+        self.step_size = check_number("step_size", step_size, positive=True)
+        self.coef_delta = check_number("coef_delta", coef_delta, positive=True)
         if coef_min is None:
             coef_min = 1e-6 if dual else 0.0
-        self.coef_min = _check_number("coef_min", coef_min, positive=dual)
-        self.coef_max = _check_number("coef_max", coef_max, positive=dual)
+        self.coef_min = check_number("coef_min", coef_min, positive=dual)
+        self.coef_max = check_number("coef_max", coef_max, positive=dual)
         if self.coef_min > self.coef_max:
             raise ValueError(f"`coef_min` ({coef_min!r}) must be <= `coef_max` ({coef_max!r}).")
-        init = _check_number("init_coef", init_coef, positive=dual)
+        init = check_number("init_coef", init_coef, positive=dual)
         if not self.coef_min <= init <= self.coef_max:
             raise ValueError(
                 f"`init_coef` must be within [coef_min, coef_max] = [{self.coef_min!r}, {self.coef_max!r}], "
