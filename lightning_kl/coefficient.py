@@ -19,12 +19,12 @@ import math
 from typing import Any, Optional, Union
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_kl.controllers import KLController
 from lightning_kl.ground.checks import warn_user
 
-__all__ = ["UNSTEPPED_FORWARDS", "Coefficient"]
+__all__ = ["UNSTEPPED_FORWARDS", "Coefficient", "ControllerState"]
 
 #: Training forwards with a controller and no closed optimizer step after which the loss warns (once): more
 #: micro-batches than an optimizer step accumulates in practice.
@@ -90,3 +90,47 @@ class Coefficient:
     def reset(self) -> None:
         """Drop the open step's sums (a fit that ended inside an accumulation window leaves them)."""
         self.pending, self.forwards = None, 0
+
+
+class ControllerState(nn.Module):
+    """The ``state_dict`` entry of a module whose coefficient may be a controller (``self.controller``, None
+    for a number): the controller's state as ``_extra_state``, and only when it exists, so a strict load into
+    a model without the module fits; a state_dict without the entry (0.2, or a number coef) loads as is."""
+
+    controller: Optional[KLController]
+    #: what the warnings call this module ("this loss has ...")
+    kind = "module"
+
+    def get_extra_state(self) -> dict[str, Any]:
+        """The controller's state (``{}`` for a number ``coef``, which ``state_dict`` then leaves out)."""
+        if self.controller is None:
+            return {}
+        return {"controller_class": type(self.controller).__qualname__, "controller": self.controller.state_dict()}
+
+    def set_extra_state(self, state: Any) -> None:
+        saved = state.get("controller_class") if isinstance(state, dict) else None
+        mine = None if self.controller is None else type(self.controller).__qualname__
+        if saved != mine:
+            warn_user(
+                f"{type(self).__name__}: the state_dict holds the state of {saved or 'a number coef'} but this {self.kind} "
+                f"has {mine or 'a number coef'}; keeping the coefficient as constructed.",
+                rank_zero=True,
+            )
+            return
+        if self.controller is not None:
+            self.controller.load_state_dict(state["controller"])
+
+    def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
+        # only state that exists: a number coef has none, so a strict load into a model without this module fits
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.controller is None:
+            destination.pop(prefix + "_extra_state", None)
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        # a state_dict saved before the controller's state was kept in it has no entry: keep the coefficient
+        key = prefix + "_extra_state"
+        had = key in state_dict
+        super()._load_from_state_dict(state_dict, prefix, *args)
+        missing_keys = args[2]
+        if not had and key in missing_keys:
+            missing_keys.remove(key)

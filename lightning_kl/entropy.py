@@ -15,9 +15,9 @@ import math
 from typing import Any, Optional, Union
 
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
-from torch import Tensor, nn
+from torch import Tensor
 
+from lightning_kl.coefficient import ControllerState
 from lightning_kl.controllers import KLController
 from lightning_kl.reduce import AggMode, aggregate_checked, check_agg_mode
 from lightning_kl.ground.checks import check_floating, check_mask
@@ -44,7 +44,7 @@ class EntropyMetric(KLMetric):
     higher_is_better = None  # neither: the entropy is a diagnostic (collapse below, noise above)
 
 
-class EntropyBonus(nn.Module):
+class EntropyBonus(ControllerState):
     r"""``-coef * aggregate(token_entropy(x, mask, sampling=sampling), mask, agg)``: add it to the loss.
 
     Notation: ``b`` batch, ``t`` response length, ``V`` vocabulary.
@@ -110,6 +110,8 @@ class EntropyBonus(nn.Module):
         >>> bonus.metric.compute()
         tensor(1.3863, dtype=torch.float64)
     """
+
+    kind = "bonus"
 
     log_prefix = "entropy/"  # where KLLossCallback logs the coefficient and the step's value
 
@@ -216,24 +218,6 @@ class EntropyBonus(nn.Module):
         """Drop the sums of an optimizer step left open (a fit stopped inside an accumulation window): done by
         :class:`~lightning_kl.KLLossCallback` when a fit starts and ends, as for ``KLPenaltyLoss``."""
         self._step_stats = None
-
-    def get_extra_state(self) -> dict[str, Any]:
-        """The controller's state, in the module's ``state_dict`` (empty for a number ``coef``)."""
-        if self.controller is None:
-            return {}
-        return {"controller_class": type(self.controller).__qualname__, "controller": self.controller.state_dict()}
-
-    def set_extra_state(self, state: Any) -> None:
-        saved = state.get("controller_class") if isinstance(state, dict) else None
-        mine = None if self.controller is None else type(self.controller).__qualname__
-        if saved != mine:
-            rank_zero_warn(
-                f"EntropyBonus: the state_dict holds the state of {saved or 'a number coef'} but this bonus has "
-                f"{mine or 'a number coef'}; keeping the coefficient as constructed."
-            )
-            return
-        if self.controller is not None:
-            self.controller.load_state_dict(state["controller"])
 
     def extra_repr(self) -> str:
         coef = self._coef if self.controller is None else self.controller

@@ -7,9 +7,9 @@ import weakref
 from typing import Any, Optional, Union
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from lightning_kl.coefficient import Coefficient
+from lightning_kl.coefficient import Coefficient, ControllerState
 from lightning_kl.compute import check_max_weight, kl_penalty_values
 from lightning_kl.controllers import KLController
 from lightning_kl.estimators import EstimatorName, parse_estimator
@@ -33,7 +33,7 @@ def live_losses() -> list["KLPenaltyLoss"]:
     return list(_LIVE)
 
 
-class KLPenaltyLoss(nn.Module):
+class KLPenaltyLoss(ControllerState):
     r"""``coef * aggregate(kl_penalty(logprob, ref_logprob, estimator), mask, agg)``.
 
     A thin shell over the functions users call. Forward goes down the layers once, one call a step, each
@@ -178,6 +178,8 @@ class KLPenaltyLoss(nn.Module):
         >>> loss.backward(); logprob.grad  # 0.5 * d / 2 on valid tokens, exactly 0 on padding
         tensor([[ 0.1250, -0.2500,  0.0000]])
     """
+
+    kind = "loss"
 
     def __init__(
         self,
@@ -345,41 +347,6 @@ class KLPenaltyLoss(nn.Module):
         """Drop the KL sums of an optimizer step left open (a fit stopped inside an accumulation window):
         done by :class:`~lightning_kl.KLLossCallback` when a fit starts and ends."""
         self._coefficient.reset()
-
-    def get_extra_state(self) -> dict[str, Any]:
-        """The controller's state, in the module's ``state_dict`` (``kl._extra_state``; absent for a number
-        ``coef``, whose checkpoints of 0.2 and of the development version hold none or ``{}``: both load)."""
-        if self.controller is None:
-            return {}
-        return {"controller_class": type(self.controller).__qualname__, "controller": self.controller.state_dict()}
-
-    def set_extra_state(self, state: Any) -> None:
-        saved = state.get("controller_class") if isinstance(state, dict) else None
-        mine = None if self.controller is None else type(self.controller).__qualname__
-        if saved != mine:
-            warn_user(
-                f"KLPenaltyLoss: the state_dict holds the state of {saved or 'a number coef'} but this loss has "
-                f"{mine or 'a number coef'}; keeping the coefficient as constructed.",
-                rank_zero=True,
-            )
-            return
-        if self.controller is not None:
-            self.controller.load_state_dict(state["controller"])
-
-    def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
-        # only state that exists: a number coef has none, so a strict load into a model without this loss fits
-        super()._save_to_state_dict(destination, prefix, keep_vars)
-        if self.controller is None:
-            destination.pop(prefix + "_extra_state", None)
-
-    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-        # a state_dict saved before the controller's state was kept in it has no entry: keep the coefficient
-        key = prefix + "_extra_state"
-        had = key in state_dict
-        super()._load_from_state_dict(state_dict, prefix, *args)
-        missing_keys = args[2]
-        if not had and key in missing_keys:
-            missing_keys.remove(key)
 
     def attach(self, trainer: Any) -> None:
         """Connect this loss to the Trainer that fits its LightningModule (None: disconnect).

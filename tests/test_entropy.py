@@ -635,3 +635,25 @@ def test_the_entropy_study_runs_a_controller_and_the_mask_reports_and_resumes(tm
         assert "[entropy_study]" not in capsys.readouterr().out
     finally:
         sys.path.remove(str(TESTS.parent / "examples"))
+
+
+def test_a_number_coef_bonus_adds_nothing_to_the_state_dict_and_a_controllers_state_round_trips():
+    # as KLPenaltyLoss (one ControllerState serves both): only state that exists is saved, so a model
+    # with a number-coef bonus loads strictly into one without it; a controller's state comes back
+    class Holder(torch.nn.Module):
+        def __init__(self, bonus=None):
+            super().__init__()
+            self.shift = torch.nn.Parameter(torch.zeros(2))
+            if bonus is not None:
+                self.entropy = bonus
+
+    sd = Holder(lk.EntropyBonus(coef=0.01)).state_dict()
+    assert "entropy._extra_state" not in sd
+    Holder().load_state_dict(sd, strict=True)
+    ctl = lk.TargetEntropyController(target_entropy=0.5, init_coef=0.1)
+    ctl.update(0.2, 8)
+    sd = Holder(lk.EntropyBonus(coef=ctl)).state_dict()
+    assert sd["entropy._extra_state"]["controller_class"] == "TargetEntropyController"
+    fresh = Holder(lk.EntropyBonus(coef=lk.TargetEntropyController(target_entropy=0.5, init_coef=0.1)))
+    fresh.load_state_dict(sd, strict=True)
+    assert fresh.entropy.controller.value == ctl.value != 0.1
