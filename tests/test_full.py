@@ -189,6 +189,33 @@ def test_infinite_logits_in_the_vocabulary():
     assert z.grad[0, 2] == 0 and zr.grad[0, 2] == 0 and z.grad[1, 3] == 0
 
 
+
+@pytest.mark.parametrize("chunk_size", [1, 3, None])
+def test_a_nan_row_with_a_gradient_gets_nan_gradients_and_the_others_stay_exact(chunk_size):
+    """A NaN logit poisons its row's value and, when that row has a gradient, its row of both gradients
+    (NaN must not train on quietly); the other rows, a 0 log 0 entry and a masked NaN row are exact."""
+    z64, zr64 = logits(5, 6), logits(5, 6, seed=1)
+    z64[0, 2] = float("-inf")  # 0 log 0 = 0: its gradient is exactly 0, not NaN
+    z64[3, 4] = float("nan")
+    zr64[4, 1] = float("nan")  # the reference's NaN reaches the row the same way
+    z, zr = z64.float().requires_grad_(), zr64.float().requires_grad_()
+    kl = full_kl(z, zr, chunk_size=chunk_size)
+    assert kl[3].isnan() and kl[4].isnan() and kl[:3].isfinite().all()
+    kl.sum().backward()
+    for g in (z.grad, zr.grad):
+        assert g[3:].isnan().all() and g[:3].isfinite().all()
+    want, grad_z, grad_zr = reference(z64[:3], zr64[:3])
+    assert_close(z.grad[:3].double(), grad_z, rtol=1e-5, atol=2e-6)
+    assert_close(zr.grad[:3].double(), grad_zr, rtol=1e-5, atol=2e-6)
+    assert z.grad[0, 2] == 0
+    # the same rows masked: value 0 and gradient exactly 0, the NaN nowhere
+    z.grad = zr.grad = None
+    mask = torch.tensor([True, True, True, False, False])
+    kl = full_kl(z, zr, mask, chunk_size=chunk_size)
+    kl.sum().backward()
+    assert (kl[3:] == 0).all() and (z.grad[3:] == 0).all() and (zr.grad[3:] == 0).all()
+    assert_close(z.grad[:3].double(), grad_z, rtol=1e-5, atol=2e-6)
+
 class _AllocationLog(TorchDispatchMode):
     """Records the number of elements of every new tensor (not a view, not in place) an op makes."""
 

@@ -69,7 +69,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from lightning_kl.ground.checks import check_values, compute_dtype
+from lightning_kl.ground.checks import check_values, compute_dtype, host_reads
 from lightning_kl.ground.chunks import run_chunks
 from lightning_kl.ground.sampler import Sampling, process_scores
 
@@ -116,6 +116,7 @@ HIDDEN_CPU_TILE_ELEMENTS = 2**22
 REFERENCES = ("unprocessed", "processed", "policy_kept")
 
 _NINF = float("-inf")
+_INF = float("inf")
 _MAX, _SUM = "max", "sum"
 
 
@@ -396,13 +397,13 @@ class HeadGrad:
         if not head.plain:  # dL/da = dL/dz dz/da, a new tensor (the caller's g stays as it was)
             g = g * head.scale if head.softcap is None else self.src.slope(idx, cols).mul_(g)
             if head.softcap is not None and self.invalid is not None:
-                g.masked_fill_(self.invalid[pos].unsqueeze(1), 0)  # 0 * NaN: a NaN hidden state's slope
+                _zero_rows(g, self.invalid[pos])  # 0 * NaN: a NaN hidden state's slope
         if self.grad_h is not None:
             self.grad_h[pos] += torch.mm(g.to(w.dtype), w[cols])
         if self.acc_w is not None or self.acc_b is not None:
             h = self.src.rows(idx)
             if self.invalid is not None:
-                h = h.masked_fill(self.invalid[pos].unsqueeze(1), 0)
+                h = _zero_rows(h.clone(), self.invalid[pos])
             h = h.to(self.dtype)
             with self.lock:  # chunks run concurrently and all add to the same [V, d]
                 if self.acc_w is not None:
@@ -436,9 +437,32 @@ def _in_tile(col: Tensor, cols: slice) -> tuple[Tensor, Tensor]:
     return (col >= cols.start) & (col < cols.stop), (col - cols.start).clamp_(0, cols.stop - cols.start - 1).unsqueeze(1)
 
 
+def _zero_rows(t: Tensor, rows: Tensor) -> Tensor:
+    """``t [c, ...]`` with the rows where ``rows [c]`` (bool) is True set to exactly 0, in place.
+
+    On the CPU the rows are found first and filled by index: a mask broadcast over ``[c, V]`` is a
+    scalar loop there (about 20x the cost of an arithmetic pass). Elsewhere one masked fill (no host read).
+    """
+    if host_reads(t.device) and not torch.compiler.is_compiling():
+        hit = rows.nonzero().squeeze(1)
+        return t.index_fill_(0, hit, 0) if hit.numel() else t
+    return t.masked_fill_(rows.unsqueeze(1), 0)
+
+
 def _zero_invalid(g: Tensor, invalid: Optional[Tensor], pos: slice) -> Tensor:
     """Invalid rows' gradient exactly 0 (their scale is 0, but 0 * NaN is NaN where their logits are NaN)."""
-    return g if invalid is None else g.masked_fill_(invalid[pos].unsqueeze(1), 0)
+    return g if invalid is None else _zero_rows(g, invalid[pos])
+
+
+def _scaled(g: Tensor, scale: Tensor) -> Tensor:
+    """``g * scale`` (``scale [c, 1]``) in place, every non-finite entry of ``g`` first made 0.
+
+    The callers' unscaled gradients are non-finite only where a 0 weight meets an infinite log
+    (:math:`0 \log 0`, a token outside a support: its gradient is 0), in a row of scale 0 (masked,
+    or a +inf KL without a gradient) or in a row with NaN inputs, whose scale carries the NaN. One
+    arithmetic pass instead of bool masks (which are scalar loops on the CPU).
+    """
+    return g.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0).mul_(scale)
 
 
 def _shifted(
@@ -764,15 +788,16 @@ def full_kl_kernel(
 
 def _kl_shifted(
     src: Source, ref: Source, idx: slice | Tensor, dtype: torch.dtype, sampling: Sampling, reference: str, cols: slice,
-    state: dict[str, Tensor], shifts: Optional[tuple[Tensor, Tensor]] = None,
+    state: dict[str, Tensor], shifts: Optional[tuple[Tensor, Tensor]] = None, out: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """A chunk's (or tile's) shifted scores of both models (:func:`_shifted`), ``-inf`` off each
-    support, and their shifts ``[c, 1]``: the largest kept logits, or the global ones given."""
+    support, and their shifts ``[c, 1]``: the largest kept logits, or the global ones given. The
+    policy's are written into ``out`` when given without truncation (a gradient's own rows)."""
     temp = sampling.temperature
     mp, mq = (None, None) if shifts is None else shifts
     if not sampling.truncates:
         z, fz = src.read(idx, cols)
-        ep, mp = _shifted(z, fz, dtype, temp, state, "p", mp)
+        ep, mp = _shifted(z, fz, dtype, temp, state, "p", mp, out)
         del z
         r, fr = ref.read(idx, cols)
         eq, mq = _shifted(r, fr, dtype, temp, state, "q", mq)
@@ -840,8 +865,9 @@ class _FullKL(torch.autograd.Function):
                 sp = u.sum(dim=-1)
                 sq = torch.exp(eq, out=_scratch(state, eq.shape, dtype, src.device, "v")).sum(dim=-1)
                 parts[k, _MP], parts[k, _CP], parts[k, _MQ], parts[k, _CQ] = mp.squeeze(1), sp.log(), mq.squeeze(1), sq.log()
-                # sum_i p_i (e^p_i - e^q_i) + (c_q - c_p); 0 log 0 = 0 off the policy's support, p > 0 = q gives +inf
-                cross = torch.sub(ep, eq, out=eq).mul_(u).masked_fill_(u == 0, 0).sum(dim=-1).div_(sp)
+                # sum_i p_i (e^p_i - e^q_i) + (c_q - c_p); p > 0 = q gives +inf. Off the policy's support 0 log 0 = 0:
+                # a NaN there is 0 * (-inf) (NaN inputs reach the row through sp), so NaN becomes 0 (no bool mask)
+                cross = torch.sub(ep, eq, out=eq).mul_(u).nan_to_num_(nan=0.0, posinf=_INF, neginf=_NINF).sum(dim=-1).div_(sp)
                 parts[k, _KL] = cross + (parts[k, _CQ] - parts[k, _CP])
                 del ep, eq, u
             if len(tiles) == 1:
@@ -888,9 +914,9 @@ class _FullKL(torch.autograd.Function):
             lambda: ValueError(f"the KL against the reference's own processed distribution is +inf at {int(infinite.sum())} token(s) {why}."),
             f"the KL against the reference's own processed distribution is +inf {why}",
         )
-        scale = (g_out / sampling.temperature).unsqueeze(1)
-        infinite_rows = (kl == float("inf")).unsqueeze(1)  # their scale is 0 here, but 0 * inf is NaN
-        finite_kl = kl.masked_fill(infinite_rows.squeeze(1), 0).unsqueeze(1)
+        # rows of scale 0 (masked, or a +inf KL without a gradient) get 0; rows with NaN inputs carry it here
+        scale = (g_out / sampling.temperature).masked_fill_(kl.isnan(), float("nan")).unsqueeze(1)
+        kl = kl.unsqueeze(1)
         mp, cp, mq, cq = (t.unsqueeze(1) for t in glob)
         needs = ctx.needs_input_grad
         w_z, w_ref = _writer(src, needs[:3], dtype, invalid), _writer(ref, needs[4:7], dtype, invalid)
@@ -898,16 +924,17 @@ class _FullKL(torch.autograd.Function):
         def work(item: tuple[slice, slice | Tensor], state: Any) -> None:
             pos, idx = item
             for cols in src.tiles(pos.stop - pos.start, ctx.tiled):
-                ep, eq, _, _ = _kl_shifted(src, ref, idx, dtype, sampling, reference, cols, state, (mp[pos], mq[pos]))
+                direct = None if w_z is None else w_z.direct(pos, dtype)  # g is made in the gradient's rows
+                ep, eq, _, _ = _kl_shifted(src, ref, idx, dtype, sampling, reference, cols, state, (mp[pos], mq[pos]), direct)
                 logp, logq = ep.sub_(cp[pos]), eq.sub_(cq[pos])
                 p = torch.exp(logp, out=_scratch(state, logp.shape, dtype, src.device, "u"))
                 if w_ref is not None:  # (q - p) / T
-                    g_ref = torch.exp(logq, out=_scratch(state, logq.shape, dtype, src.device, "v")).sub_(p).mul_(scale[pos])
-                    w_ref.put(pos, idx, _zero_invalid(g_ref, invalid, pos), cols)
+                    to = w_ref.direct(pos, dtype)
+                    g_ref = torch.exp(logq, out=_scratch(state, logq.shape, dtype, src.device, "v") if to is None else to).sub_(p)
+                    w_ref.put(pos, idx, _scaled(g_ref, scale[pos]), cols)
                 if w_z is not None:  # p (log p - log q - KL) / T
-                    g = logp.sub_(logq).sub_(finite_kl[pos]).mul_(p).masked_fill_(p == 0, 0)
-                    g = g.masked_fill_(infinite_rows[pos], 0).mul_(scale[pos])
-                    w_z.put(pos, idx, _zero_invalid(g, invalid, pos), cols)
+                    g = logp.sub_(logq).sub_(kl[pos]).mul_(p)
+                    w_z.put(pos, idx, _scaled(g, scale[pos]), cols)
                 del ep, eq, logp, logq, p
 
         if w_z is not None or w_ref is not None:
