@@ -454,6 +454,22 @@ def _zero_invalid(g: Tensor, invalid: Optional[Tensor], pos: slice) -> Tensor:
     return g if invalid is None else _zero_rows(g, invalid[pos])
 
 
+def _row_sums(prod: Tensor) -> Tensor:
+    """The row sums of a chunk of products ``p_i (a_i - b_i)``, an entry ``0 * inf = NaN`` counted as
+    0 (:math:`0 \log 0 = 0`: a token off the policy's support). The callers carry NaN inputs into the
+    row by another term. On the CPU only rows whose plain sum is NaN are summed again with that rule
+    (a bool mask or ``nan_to_num`` over ``[c, V]`` is one more pass per chunk); elsewhere one
+    ``nan_to_num`` (no host read).
+    """
+    if host_reads(prod.device) and not torch.compiler.is_compiling():
+        out = prod.sum(dim=-1)
+        redo = out.isnan().nonzero().squeeze(1)
+        if redo.numel():
+            out[redo] = prod[redo].nan_to_num_(nan=0.0, posinf=_INF, neginf=_NINF).sum(dim=-1)
+        return out
+    return prod.nan_to_num_(nan=0.0, posinf=_INF, neginf=_NINF).sum(dim=-1)
+
+
 def _scaled(g: Tensor, scale: Tensor) -> Tensor:
     """``g * scale`` (``scale [c, 1]``) in place, every non-finite entry of ``g`` first made 0.
 
@@ -482,6 +498,22 @@ def _shifted(
         out = chunk if fresh and chunk.dtype == dtype else _scratch(state, chunk.shape, dtype, chunk.device, key)
     e = torch.sub(chunk, _finite(m), out=out)
     return (e.div_(temperature) if temperature != 1.0 else e), m
+
+
+def _log_probs(src: Source, idx: slice | Tensor, dtype: torch.dtype, temperature: float, state: dict[str, Tensor], key: str, out: Optional[Tensor] = None) -> Tensor:
+    """A chunk's log-probs over the whole vocabulary, ``log_softmax(e)`` of its shifted scores
+    ``e = (z - m) / T`` (:func:`_shifted`; ``z`` itself for ``T = 1`` in the compute dtype), written
+    into ``out`` or scratch ``key + "l"``.
+
+    torch's CPU ``log_softmax`` forms ``(e - max e) - log S`` per row, so these are bitwise the
+    shifted scores minus their log-sum, from one fused read of each row (its sum of exponentials
+    is the fastest on the CPU): the rows' quantities without a separate ``exp`` and ``sum``.
+    """
+    chunk, fresh = src.read(idx)
+    x = chunk if temperature == 1.0 and chunk.dtype == dtype else _shifted(chunk, fresh, dtype, temperature, state, key)[0]
+    if out is None:
+        out = _scratch(state, x.shape, dtype, x.device, key + "l")
+    return torch._log_softmax(x, -1, False, out=out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -852,11 +884,21 @@ class _FullKL(torch.autograd.Function):
         dtype, temp = compute_dtype(x, rx), sampling.temperature
         tiled = not sampling.truncates and weight is not None and rweight is not None  # two heads: tiles of both
         rows = src.chunk_rows(chunk_size, tiled)
+        # whole rows of one partition: each model's normalized log-probs from one fused read (:func:`_log_probs`);
+        # tiles and ranks need each part's shift and log-sum to merge
+        whole = not sampling.truncates and not tiled and part.ranks == 1
         stats = torch.zeros((5, src.n), dtype=dtype, device=src.device)
         stats[:_KL].fill_(_NINF)  # an empty shard holds no mass
 
         def work(item: tuple[slice, slice | Tensor], state: Any) -> None:
             pos, idx = item
+            if whole:  # sum_i p_i (log p_i - log q_i), 0 log 0 = 0 as below
+                logp, logq = _log_probs(src, idx, dtype, temp, state, "p"), _log_probs(ref, idx, dtype, temp, state, "q")
+                # NaN or +inf among a row's logits makes its log_softmax wholly NaN: one entry per model carries it
+                carry = torch.exp(logp[:, 0]).add_(torch.exp(logq[:, 0])).mul_(0)
+                d = torch.sub(logp, logq, out=logq)
+                stats[_KL, pos] = _row_sums(d.mul_(logp.exp_())).add_(carry)
+                return
             tiles = src.tiles(pos.stop - pos.start, tiled)
             parts = torch.empty((len(tiles), 5, pos.stop - pos.start), dtype=dtype, device=src.device)
             for k, cols in enumerate(tiles):
@@ -865,9 +907,8 @@ class _FullKL(torch.autograd.Function):
                 sp = u.sum(dim=-1)
                 sq = torch.exp(eq, out=_scratch(state, eq.shape, dtype, src.device, "v")).sum(dim=-1)
                 parts[k, _MP], parts[k, _CP], parts[k, _MQ], parts[k, _CQ] = mp.squeeze(1), sp.log(), mq.squeeze(1), sq.log()
-                # sum_i p_i (e^p_i - e^q_i) + (c_q - c_p); p > 0 = q gives +inf. Off the policy's support 0 log 0 = 0:
-                # a NaN there is 0 * (-inf) (NaN inputs reach the row through sp), so NaN becomes 0 (no bool mask)
-                cross = torch.sub(ep, eq, out=eq).mul_(u).nan_to_num_(nan=0.0, posinf=_INF, neginf=_NINF).sum(dim=-1).div_(sp)
+                # sum_i p_i (e^p_i - e^q_i) + (c_q - c_p); p > 0 = q gives +inf; NaN inputs reach the row through sp
+                cross = _row_sums(torch.sub(ep, eq, out=eq).mul_(u)).div_(sp)
                 parts[k, _KL] = cross + (parts[k, _CQ] - parts[k, _CP])
                 del ep, eq, u
             if len(tiles) == 1:
@@ -889,7 +930,7 @@ class _FullKL(torch.autograd.Function):
             kl = kl.masked_fill(invalid, 0)
         ctx.save_for_backward(x, weight, bias, rx, rweight, rbias)
         ctx.saved = (invalid, local, kl)
-        ctx.sampling, ctx.reference, ctx.part, ctx.rows, ctx.tiled = sampling, reference, part, rows, tiled
+        ctx.sampling, ctx.reference, ctx.part, ctx.rows, ctx.tiled, ctx.whole = sampling, reference, part, rows, tiled, whole
         ctx.heads = head, rhead
         return kl.view(src.lead)
 
@@ -898,7 +939,7 @@ class _FullKL(torch.autograd.Function):
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Optional[Tensor], ...]:
         x, weight, bias, rx, rweight, rbias = ctx.saved_tensors
         invalid, glob, kl = ctx.saved
-        sampling, reference = ctx.sampling, ctx.reference
+        sampling, reference, temp = ctx.sampling, ctx.reference, ctx.sampling.temperature
         src, ref = Source(Tensors(x, weight, bias, ctx.heads[0])), Source(Tensors(rx, rweight, rbias, ctx.heads[1]))
         dtype = glob.dtype
         g_out = grad_out.reshape(-1).to(dtype)
@@ -925,8 +966,11 @@ class _FullKL(torch.autograd.Function):
             pos, idx = item
             for cols in src.tiles(pos.stop - pos.start, ctx.tiled):
                 direct = None if w_z is None else w_z.direct(pos, dtype)  # g is made in the gradient's rows
-                ep, eq, _, _ = _kl_shifted(src, ref, idx, dtype, sampling, reference, cols, state, (mp[pos], mq[pos]), direct)
-                logp, logq = ep.sub_(cp[pos]), eq.sub_(cq[pos])
+                if ctx.whole:  # the forward's log-probs again, bitwise
+                    logp, logq = _log_probs(src, idx, dtype, temp, state, "p", direct), _log_probs(ref, idx, dtype, temp, state, "q")
+                else:
+                    ep, eq, _, _ = _kl_shifted(src, ref, idx, dtype, sampling, reference, cols, state, (mp[pos], mq[pos]), direct)
+                    logp, logq = ep.sub_(cp[pos]), eq.sub_(cq[pos])
                 p = torch.exp(logp, out=_scratch(state, logp.shape, dtype, src.device, "u"))
                 if w_ref is not None:  # (q - p) / T
                     to = w_ref.direct(pos, dtype)
@@ -935,7 +979,7 @@ class _FullKL(torch.autograd.Function):
                 if w_z is not None:  # p (log p - log q - KL) / T
                     g = logp.sub_(logq).sub_(kl[pos]).mul_(p)
                     w_z.put(pos, idx, _scaled(g, scale[pos]), cols)
-                del ep, eq, logp, logq, p
+                del logp, logq, p
 
         if w_z is not None or w_ref is not None:
             _run(work, (src, ref), ctx.rows, state=True)
