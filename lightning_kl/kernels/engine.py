@@ -616,21 +616,26 @@ class _Rows(torch.autograd.Function):
 
         def whole(pos: slice, idx: slice | Tensor, state: dict[str, Tensor]) -> None:
             tiles = src.tiles(pos.stop - pos.start, True)
+            one = len(tiles) == 1
             parts = torch.empty((len(tiles), 3, pos.stop - pos.start), dtype=dtype, device=device)
             for k, cols in enumerate(tiles):
                 chunk, fresh = src.read(idx, cols)
-                if want_lp:  # each id lies in one tile, which gives its logit; the others add 0
+                if want_lp and one:
+                    stats[_ZY, pos] = chunk.gather(1, col[pos]).squeeze(1)  # type: ignore[index]
+                elif want_lp:  # each id lies in one tile, which gives its logit; the others add 0
                     here, c = _in_tile(col[pos], cols)  # type: ignore[index]
                     stats[_ZY, pos] += torch.where(here, chunk.gather(1, c).squeeze(1).to(dtype), 0)
                 e, m = _shifted(chunk, fresh, dtype, temp, state, "e")
                 del chunk  # freed before the next tile's matmul
-                u = e.exp_()
-                total = u.sum(dim=-1)
-                parts[k, 0], parts[k, 1] = m.squeeze(1), total.log()
-                if want_ent:
-                    parts[k, 2] = u.xlogy_(u).sum(dim=-1).div_(total).neg_()
-                del e, u
-            if len(tiles) == 1:
+                # log_softmax(e) is e - log S bitwise (torch's CPU kernel; max e = 0): its max is -log S, from one
+                # fused read of each row. A part without mass (m = -inf) keeps c = -inf (log_softmax gives NaN there)
+                lsm = torch._log_softmax(e, -1, False, out=_scratch(state, e.shape, dtype, e.device, "l"))
+                m = m.squeeze(1)
+                parts[k, 0], parts[k, 1] = m, lsm.amax(dim=-1).neg_().masked_fill_(m == _NINF, _NINF)
+                if want_ent:  # A = -sum_i p_i e_i, 0 log 0 = 0
+                    parts[k, 2] = _row_sums(lsm.exp_().mul_(e)).neg_()
+                del e, lsm
+            if one:
                 stats[_M, pos], stats[_C, pos], stats[_A, pos] = parts[0, 0], parts[0, 1], parts[0, 2]
                 return
             stats[_M, pos], stats[_C, pos], d, lw = _merge(parts[:, 0], parts[:, 1], temp)  # tiles combine as ranks do
@@ -782,7 +787,9 @@ class _Rows(torch.autograd.Function):
                 else:
                     ue = torch.special.xlogy(u, u, out=_scratch(state, u.shape, dtype, u.device, "ue"))
                     g = u.mul_(alpha[pos]).addcmul_(ue, beta[pos])
-                if hit is not None:
+                if hit is not None and cols.stop - cols.start == src.vocab:  # the whole vocabulary: every id is here
+                    g.scatter_add_(1, col[pos], hit[pos])
+                elif hit is not None:
                     here, cc = _in_tile(col[pos], cols)
                     g.scatter_add_(1, cc, torch.where(here.unsqueeze(1), hit[pos], 0))
                 writer.put(pos, idx, _zero_invalid(g, ignored, pos), cols)
