@@ -781,19 +781,18 @@ class _Rows(torch.autograd.Function):
                     if temp != 1.0:
                         e.div_(temp)
                     e.masked_fill_(removed, _NINF)
-                u = e.exp_()
                 if beta is None:
-                    g = u.mul_(alpha[pos])
-                else:
-                    ue = torch.special.xlogy(u, u, out=_scratch(state, u.shape, dtype, u.device, "ue"))
-                    g = u.mul_(alpha[pos]).addcmul_(ue, beta[pos])
+                    g = e.exp_().mul_(alpha[pos])
+                else:  # u e in e's rows (0 where u = 0: e = -inf; xlogy would cost another exp's time), then + alpha u
+                    u = torch.exp(e, out=_scratch(state, e.shape, dtype, e.device, "u"))
+                    g = e.mul_(u).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0).mul_(beta[pos]).addcmul_(u, alpha[pos])
                 if hit is not None and cols.stop - cols.start == src.vocab:  # the whole vocabulary: every id is here
                     g.scatter_add_(1, col[pos], hit[pos])
                 elif hit is not None:
                     here, cc = _in_tile(col[pos], cols)
                     g.scatter_add_(1, cc, torch.where(here.unsqueeze(1), hit[pos], 0))
                 writer.put(pos, idx, _zero_invalid(g, ignored, pos), cols)
-                del e, u, g
+                del e, g
 
         _run(work, (src,), ctx.rows, state=True)
         return (*_grads(writer, part), None, *nones)
