@@ -305,15 +305,16 @@ class Source:
             return z.div_(temperature) if own else z / temperature
         return z if own else z.clone()
 
-    def chunk_rows(self, chunk_size: Optional[int], tiled: bool = False) -> int:
-        """Rows per chunk: ``chunk_size``, or the device's default (the constants above)."""
+    def chunk_rows(self, chunk_size: Optional[int], tiled: bool = False, models: int = 1) -> int:
+        """Rows per chunk: ``chunk_size``, or the device's default (the constants above); logits of
+        ``models`` models read together share one CPU chunk's elements (the same bytes in cache)."""
         if chunk_size is not None:
             return chunk_size
         cpu = self.device.type == "cpu"
         if tiled and self.weight is not None:
             return HIDDEN_BLOCK_ROWS
         if self.weight is None:
-            return max(1, (CPU_CHUNK_ELEMENTS if cpu else CUDA_CHUNK_ELEMENTS) // max(self.vocab, 1))
+            return max(1, (CPU_CHUNK_ELEMENTS // models if cpu else CUDA_CHUNK_ELEMENTS) // max(self.vocab, 1))
         return max(HIDDEN_MIN_CHUNK_ROWS, (HIDDEN_CPU_CHUNK_ELEMENTS if cpu else CUDA_CHUNK_ELEMENTS) // max(self.vocab, 1))
 
 
@@ -889,7 +890,7 @@ class _FullKL(torch.autograd.Function):
         src, ref = Source(Tensors(x, weight, bias, head)), Source(Tensors(rx, rweight, rbias, rhead))
         dtype, temp = compute_dtype(x, rx), sampling.temperature
         tiled = not sampling.truncates and weight is not None and rweight is not None  # two heads: tiles of both
-        rows = src.chunk_rows(chunk_size, tiled)
+        rows = src.chunk_rows(chunk_size, tiled, models=2)
         # whole rows of one partition: each model's normalized log-probs from one fused read (:func:`_log_probs`);
         # tiles and ranks need each part's shift and log-sum to merge
         whole = not sampling.truncates and not tiled and part.ranks == 1
