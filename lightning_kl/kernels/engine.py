@@ -741,25 +741,27 @@ class _Rows(torch.autograd.Function):
         # alpha = -(g_lp + g_H A) inv, beta = -g_H inv, hit = g_lp / T (0 on ignored tokens and on tokens
         # outside the kept set: their value is -inf whatever the logits, a constant)
         # 1 / T multiplies both terms alike, so that a row whose kept set is its target alone (S = 1, c = 0)
-        # gets exactly 0
-        inv = torch.exp(-c).mul_(1.0 / temp)
-        alpha, beta, hit = torch.zeros_like(c), None, None
+        # gets exactly 0. Whole rows of one partition take p = softmax(e) = u / S from one fused read of
+        # each row instead of u = exp(e): there the factors are 1 / T in place of inv
+        a, b, hit = torch.zeros_like(c), None, None
         if lp_grad:
             assert g_lp is not None
             gl = g_lp.reshape(-1).to(dtype).masked_fill(outside, 0)
             if ignored is not None:
                 gl = gl.masked_fill(ignored, 0)
             hit = torch.where(owned, gl * (1.0 / temp), 0).unsqueeze(1)
-            alpha = -gl * inv
+            a = -gl
         if ent_grad:
             assert g_ent is not None
             gh = g_ent.reshape(-1).to(dtype)
             if ignored is not None:
                 gh = gh.masked_fill(ignored, 0)
-            beta = -gh * inv
-            alpha = alpha + beta * spread
-            beta = beta.unsqueeze(1)
-        alpha, shift = alpha.unsqueeze(1), m.unsqueeze(1)
+            b = -gh
+            a = a + b * spread
+        inv = torch.exp(-c).mul_(1.0 / temp)
+        factors = {False: (a * inv, None if b is None else b * inv), True: (a * (1.0 / temp), None if b is None else b * (1.0 / temp))}
+        factors = {k: (al.unsqueeze(1), None if be is None else be.unsqueeze(1)) for k, (al, be) in factors.items()}
+        shift = m.unsqueeze(1)
         # top-p splits tied scores at its boundary, and another model's kept set is no threshold on
         # these logits: the processing runs again there (the same ops on the same numbers)
         redo = sampling.top_p is not None or support is not None
@@ -767,10 +769,22 @@ class _Rows(torch.autograd.Function):
         def work(item: tuple[slice, slice | Tensor], state: Any) -> None:
             pos, idx = item
             assert writer is not None
-            for cols in src.tiles(pos.stop - pos.start, not ctx.truncated):
-                if not ctx.truncated:
+            tiles = src.tiles(pos.stop - pos.start, not ctx.truncated)
+            whole = not ctx.truncated and len(tiles) == 1 and part.ranks == 1
+            alpha, beta = factors[whole]
+            for cols in tiles:
+                direct = writer.direct(pos, dtype)
+                if whole:  # p = softmax(e) into the gradient's rows; e kept aside for the entropy
                     chunk, fresh = src.read(idx, cols)
-                    e, _ = _shifted(chunk, fresh, dtype, temp, state, "e", shift[pos], writer.direct(pos, dtype))
+                    if beta is None and temp == 1.0 and chunk.dtype == dtype:
+                        e = chunk  # softmax(z) is softmax(z - m) bitwise: it subtracts the same max
+                    else:
+                        e, _ = _shifted(chunk, fresh, dtype, temp, state, "e", shift[pos])
+                    u = torch._softmax(e, -1, False, out=_scratch(state, e.shape, dtype, e.device, "u") if direct is None else direct)
+                    del chunk
+                elif not ctx.truncated:
+                    chunk, fresh = src.read(idx, cols)
+                    e, _ = _shifted(chunk, fresh, dtype, temp, state, "e", shift[pos], direct)
                     del chunk
                 else:
                     z = src.scores(idx, dtype, 1.0)
@@ -783,10 +797,13 @@ class _Rows(torch.autograd.Function):
                         e.div_(temp)
                     e.masked_fill_(removed, _NINF)
                 if beta is None:
-                    g = e.exp_().mul_(alpha[pos])
-                else:  # u e in e's rows (0 where u = 0: e = -inf; xlogy would cost another exp's time), then + alpha u
-                    u = torch.exp(e, out=_scratch(state, e.shape, dtype, e.device, "u"))
-                    g = e.mul_(u).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0).mul_(beta[pos]).addcmul_(u, alpha[pos])
+                    g = u.mul_(alpha[pos]) if whole else e.exp_().mul_(alpha[pos])
+                else:  # u e as a product (0 where u = 0: e = -inf; xlogy would cost another exp's time), then + alpha u
+                    if not whole:
+                        u = torch.exp(e, out=_scratch(state, e.shape, dtype, e.device, "u"))
+                    ue = e.mul_(u).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+                    # in the gradient's rows: u's when whole, else e's
+                    g = u.mul_(alpha[pos]).addcmul_(ue, beta[pos]) if whole else ue.mul_(beta[pos]).addcmul_(u, alpha[pos])
                 if hit is not None and cols.stop - cols.start == src.vocab:  # the whole vocabulary: every id is here
                     g.scatter_add_(1, col[pos], hit[pos])
                 elif hit is not None:
