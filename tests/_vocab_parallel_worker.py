@@ -246,6 +246,24 @@ def run_checks(rank: int, errors: dict[str, float], raised: dict[str, str]) -> N
         _close(errors, f"{tag}_grad", loc.grad, ref_z.grad[..., offset : offset + size])
         _close(errors, f"{tag}_value_formula", ent_c, formula)
         _close(errors, f"{tag}_grad_formula", loc_c.grad, clean.grad[..., offset : offset + size])
+    # --- log-probs and entropy in one pass of a DTensor (NaN padding ignored, -inf entries): both values and
+    # the gradient of a mix of both against the two separate calls in one process
+    g_ent = torch.randn(B, T, generator=g, dtype=torch.float64)  # the same on every rank
+    toks = torch.where(mask, tokens, -100)
+    for temperature, chunk in ((1.0, None), (0.6, 4)):
+        sampling = lk.Sampling(temperature)
+        loc = _shard(zp, offset, offset + size)
+        dz = DTensor.from_local(loc, mesh, [Shard(-1)], run_check=False, shape=z.shape, stride=z.stride())
+        lp, ent = lk.token_logprobs_and_entropy(dz, toks, sampling=sampling, ignore_index=-100, chunk_size=chunk)
+        ((lp * weights).sum() + (ent * g_ent).sum()).backward()
+        ref_z = zp.clone().requires_grad_()
+        lp1 = lk.token_logprobs(ref_z, toks, sampling=sampling, ignore_index=-100)
+        ent1 = lk.token_entropy(ref_z, toks != -100, sampling=sampling)  # an ignored token: entropy 0
+        ((lp1 * weights).sum() + (ent1 * g_ent).sum()).backward()
+        tag = f"one_pass_dtensor_T{temperature}_chunk{chunk}"
+        _close(errors, f"{tag}_logprob", lp, lp1)
+        _close(errors, f"{tag}_entropy", ent, ent1)
+        _close(errors, f"{tag}_grad", loc.grad, ref_z.grad[..., offset : offset + size])
     start, stop = (0, vocab) if rank == 0 else (vocab, vocab)
     loc = z[..., start:stop].detach().clone().requires_grad_()
     ent = lk.token_entropy(lk.VocabShard(loc, group, start), mask, chunk_size=4)

@@ -63,6 +63,7 @@ def _errors(records: list[dict[str, Any]], prefix: str) -> dict[str, float]:
         ("hidden_full_kl_", 14),  # 2 x (value, loss with FromHidden, grads of hidden, weight, bias, ref_hidden, ref_weight)
         ("sampled_loss_parallel_", 4),  # loss_parallel's replicated log-probs in sampled estimators: 2 levels x (loss, grad)
         ("entropy_", 14),  # 2 temperatures x (value, grad) x (one process, formula), an empty shard, a column-parallel head
+        ("one_pass_dtensor_", 6),  # token_logprobs_and_entropy: 2 temperatures x (log-prob, entropy, grad of a mix)
         ("capped_", 22),  # heads with a logit scale and a soft cap: 2 x (value, formula, 5 grads, 4 grads against the formula)
         ("kl_reference_", 2),  # without truncation "processed" and "policy_kept" are the plain KL
         ("bf16_", 4),  # bfloat16 shards: dtypes, value (float32 maths, 1e-5), gradients (a bf16 rounding, 4e-3) as excesses
