@@ -626,7 +626,11 @@ class _Rows(torch.autograd.Function):
                 elif want_lp:  # each id lies in one tile, which gives its logit; the others add 0
                     here, c = _in_tile(col[pos], cols)  # type: ignore[index]
                     stats[_ZY, pos] += torch.where(here, chunk.gather(1, c).squeeze(1).to(dtype), 0)
-                e, m = _shifted(chunk, fresh, dtype, temp, state, "e")
+                if temp == 1.0 and not want_ent:  # log_softmax(z) is log_softmax(z - m) bitwise: no shifted copy
+                    e = chunk if chunk.dtype == dtype else _scratch(state, chunk.shape, dtype, device, "e").copy_(chunk)
+                    m = e.amax(dim=-1, keepdim=True)
+                else:
+                    e, m = _shifted(chunk, fresh, dtype, temp, state, "e")
                 del chunk  # freed before the next tile's matmul
                 # log_softmax(e) is e - log S bitwise (torch's CPU kernel; max e = 0): its max is -log S, from one
                 # fused read of each row. A part without mass (m = -inf) keeps c = -inf (log_softmax gives NaN there)
@@ -776,8 +780,8 @@ class _Rows(torch.autograd.Function):
                 direct = writer.direct(pos, dtype)
                 if whole:  # p = softmax(e) into the gradient's rows; e kept aside for the entropy
                     chunk, fresh = src.read(idx, cols)
-                    if beta is None and temp == 1.0 and chunk.dtype == dtype:
-                        e = chunk  # softmax(z) is softmax(z - m) bitwise: it subtracts the same max
+                    if beta is None and temp == 1.0:  # softmax(z) is softmax(z - m) bitwise: it subtracts the same max
+                        e = chunk if chunk.dtype == dtype else _scratch(state, chunk.shape, dtype, chunk.device, "e").copy_(chunk)
                     else:
                         e, _ = _shifted(chunk, fresh, dtype, temp, state, "e", shift[pos])
                     u = torch._softmax(e, -1, False, out=_scratch(state, e.shape, dtype, e.device, "u") if direct is None else direct)
