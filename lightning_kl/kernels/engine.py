@@ -51,11 +51,26 @@ calling thread, collectives only when the group has more than one rank. The back
 collective (the global :math:`(m, c)` are saved) except the sum of the hidden states' gradient over
 the group. The sampler's truncation needs whole rows: the entry points refuse it on a split vocabulary.
 
+**Fused reads of whole rows.** torch's ``log_softmax`` forms :math:`(x_i - \max x) - \log S` per row
+and ``softmax`` :math:`e^{x_i - \max x} / S`, each from one read of a row that stays in cache, with the
+fastest ``exp`` torch has on the CPU. Given the shifted scores (:math:`\max e = 0`), ``log_softmax``
+returns :math:`e_i - c` bitwise, and :math:`c` is minus its largest entry, exactly: the row quantities
+take :math:`c` that way (per tile too), and the full KL between whole rows of one partition, with no
+sampler, is :math:`\sum_i \tilde p_i (\log \tilde p_i - \log q_i)` of both models' ``log_softmax``, formed
+again bitwise in backward. The backward of the row quantities over whole rows of one partition takes
+:math:`u_i / S` from ``softmax``. At :math:`T = 1` without the entropy the logits themselves (a float32
+copy of half ones) are read, the same bits. Masks over ``[c, V]`` are avoided: a comparison into bool is a scalar
+loop on the CPU (8 to 20 times an arithmetic pass): a :math:`0 \cdot \infty` of a token off the support
+(:math:`0 \log 0 = 0`) is a NaN that ``nan_to_num`` (or, on the CPU, a second sum of only the rows
+whose sum is NaN) makes 0, NaN inputs reaching the row through another term; masked rows are zeroed by
+index on the CPU.
+
 The forward keeps ``O(n)`` numbers per row (log-sum-exps, the value); the backward reads each chunk
 again and writes that chunk of the gradient once, through one writer for logits
 (:class:`LogitsGrad`) and one for a head (:class:`HeadGrad`). Every row is computed, on every device:
 invalid rows (masked, or an ignored token) get value 0 and exactly zero gradient, NaN logits or
-hidden states there included, and nothing is read on the host per call.
+hidden states there included, and nothing is read on the host per call off the CPU (on the CPU a
+chunk's rows needing a second look are found by a host read).
 """
 
 from __future__ import annotations
@@ -104,7 +119,9 @@ __all__ = [
 # indices). From hidden states a chunk's logits are a matmul that reads the whole head: it needs
 # enough rows to be compute bound (2^23 elements on CPU: 55 rows at V = 151,936; at least 16 rows).
 # Without truncation a head's chunk is a block of 4096 rows walked by vocabulary tiles of 2^22 elements
-# on CPU (16 MiB in float32), 2^25 on GPU: the head is read once per block.
+# on CPU (16 MiB in float32), 2^25 on GPU: the head is read once per block. The full KL reads two models' logits per chunk: its
+# CPU chunks hold half the elements (the same bytes in cache: in one A/B run at [1024, 32768] float32, 2^19 matched
+# 452e35a's time and 2^20 took about 1.1x it).
 CPU_CHUNK_ELEMENTS = 2**20
 CUDA_CHUNK_ELEMENTS = 2**25
 HIDDEN_CPU_CHUNK_ELEMENTS = 2**23
@@ -442,7 +459,7 @@ def _zero_rows(t: Tensor, rows: Tensor) -> Tensor:
     """``t [c, ...]`` with the rows where ``rows [c]`` (bool) is True set to exactly 0, in place.
 
     On the CPU the rows are found first and filled by index: a mask broadcast over ``[c, V]`` is a
-    scalar loop there (about 20x the cost of an arithmetic pass). Elsewhere one masked fill (no host read).
+    scalar loop there (8 to 20 times an arithmetic pass). Elsewhere one masked fill (no host read).
     """
     if host_reads(t.device) and not torch.compiler.is_compiling():
         hit = rows.nonzero().squeeze(1)
