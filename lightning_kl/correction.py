@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_kl.ground.checks import host_reads
-from lightning_kl.ground.parallel import DataParallelGroup, agree, check_parallel_args, data_parallel_group
+from lightning_kl.ground.parallel import DataParallelGroup, check_parallel_args, collective_device, data_parallel_group, sum_or_refuse
 from lightning_kl.mismatch import (
     REJECTION_OPTIONS,
     WEIGHT_LEVELS,
@@ -116,43 +116,6 @@ def _read(cfg: Any, defaults: dict[str, Any], who: str, strict: bool) -> dict[st
     elif cfg is not None:
         out.update({k: getattr(cfg, k) for k in defaults if hasattr(cfg, k)})
     return out
-
-
-def _collective_device(x: Any, dp: DataParallelGroup) -> torch.device:
-    """Where this process's tensors for ``dp``'s collectives live, even when ``x`` is not a tensor."""
-    if isinstance(x, Tensor):
-        return x.device
-    if dist.get_backend(dp.group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _reduce_terms(
-    dp: DataParallelGroup, terms: Optional[Tensor], problem: Optional[str], device: torch.device
-) -> Tensor:
-    """Sum the batch mean's ``[sum, count]`` over ``dp`` with a count of the processes that refused their
-    inputs (``problem``, a message, or None), in one all-reduce; return the summed terms.
-
-    When a process refused its inputs, every process raises: where values are read on the host
-    (:func:`~lightning_kl.ground.checks.host_reads`) the same ``ValueError`` on each
-    (:func:`~lightning_kl.ground.parallel.agree` gathers the message); elsewhere no value is read on
-    the host per call: the refusing process raises its own error (the caller's) and the others stop
-    on a device assertion. When no process refused anything, nothing more is read than the flag
-    (on the host where values are read on the host, else nowhere).
-    """
-    if dp.size == 1 and terms is not None:
-        return terms
-    packed = torch.zeros(3, dtype=torch.float64, device=device)
-    if terms is not None:
-        packed[:2] = terms
-    packed[2] = float(problem is not None)
-    dp.all_reduce_sum(packed)
-    if host_reads(packed.device):
-        if bool(packed[2] > 0):
-            agree(problem, dp.group)  # every process raises the same error
-    elif problem is None:  # (the refusing process raises its own error on return)
-        torch._assert_async(packed[2] == 0, "RolloutCorrection: another data parallel process refused its inputs")
-    return packed[:2]
 
 
 class RolloutCorrection(nn.Module):
@@ -322,7 +285,7 @@ class RolloutCorrection(nn.Module):
             if dp is None or dp.size == 1:
                 raise
             # the other processes are on their way to the all-reduce of the mean weight: meet them there
-            _reduce_terms(dp, None, str(err), _collective_device(logprob, dp))
+            sum_or_refuse(dp, None, str(err), collective_device(logprob, dp), 2, "RolloutCorrection")
             raise  # the device form: the others stop on a device assertion
         m = torch.ones(logprob.shape, dtype=torch.bool, device=logprob.device) if mask is None else mask
         dtype = dtype_of(logprob, rollout_logprob)
@@ -334,7 +297,7 @@ class RolloutCorrection(nn.Module):
             metrics.update(weight_metrics(raw, weights, lr, m, self.weights, self.mode, self.lower, self.upper))
             if self.batch_normalize:
                 assert dp is not None
-                terms = _reduce_terms(dp, weight_mean_terms(weights, m, self.weights), None, weights.device)
+                terms = sum_or_refuse(dp, weight_mean_terms(weights, m, self.weights), None, weights.device, 2, "RolloutCorrection")
                 weights, metrics["rollout_is_batch_norm_factor"] = normalize_weights(weights, terms)
         keep = m
         if self.rejection:

@@ -14,7 +14,7 @@ from lightning_kl.compute import check_max_weight, kl_penalty_values
 from lightning_kl.controllers import KLController
 from lightning_kl.estimators import EstimatorName, parse_estimator
 from lightning_kl.ground.checks import warn_user
-from lightning_kl.ground.parallel import check_parallel_args, data_parallel_group
+from lightning_kl.ground.parallel import check_parallel_args, collective_device, data_parallel_group, sum_or_refuse
 from lightning_kl.ground.sampler import Sampling
 from lightning_kl.inputs import check_kl_inputs, resolve_sampling
 from lightning_kl.logprobs import FromHidden
@@ -68,7 +68,9 @@ class KLPenaltyLoss(ControllerState):
             ``W``, so that the gradient *averaging* of DDP or FSDP yields exactly the global batch's
             gradient in every ``agg`` mode; each replica's loss is then ``W`` times its share, and
             their mean over replicas is the global batch's loss. Every process must then call
-            forward the same number of times. The group is ``process_group`` or ``device_mesh``
+            forward the same number of times. An input refused on one process is refused on every
+            one (the same ``ValueError``, naming the rank that found it), where the others would
+            wait in the ``all_reduce``. The group is ``process_group`` or ``device_mesh``
             when given, else found by itself: under Lightning's ``ModelParallelStrategy`` its
             device mesh's ``"data_parallel"`` dimension (the tensor parallel ranks of a replica,
             which hold the same batch, count once), under DDP the world (see
@@ -279,16 +281,23 @@ class KLPenaltyLoss(ControllerState):
         # -> metric -> coefficient; each step one call into a module that does not call back up
         if accumulate_grad_batches is None:
             accumulate_grad_batches = self._trainer_accumulation()
-        inputs = check_kl_inputs(
-            logprob, ref_logprob, self.spec, mask, old_logprob, sampled_logprob, self.level, self.sampling,
-            num_tokens, num_seqs, accumulate_grad_batches,
-        )
+        dp = data_parallel_group(self.process_group, self.device_mesh) if self.global_batch else None
+        try:
+            inputs = check_kl_inputs(
+                logprob, ref_logprob, self.spec, mask, old_logprob, sampled_logprob, self.level, self.sampling,
+                num_tokens, num_seqs, accumulate_grad_batches,
+            )
+        except (TypeError, ValueError) as err:
+            if dp is None or dp.size == 1 or COUNT_OF_MODE.get(self.agg) is None:
+                raise
+            # the other processes are on their way to the all-reduce of the global batch's counts: meet them there
+            sum_or_refuse(dp, None, str(err), collective_device(logprob, dp), 2, "KLPenaltyLoss")
+            raise  # the device form: the others stop on a device assertion
         kl = kl_penalty_values(inputs, self.spec, self.max_weight, self.level, self.kl_to_go, self.sampling)
         k = self._accumulation(inputs)
         given = (inputs.num_tokens, inputs.num_seqs)
         self._warn_if_micro_batch_counts(k, given)
         self._warn_if_lengths_vary(inputs.mask, inputs.num_tokens)
-        dp = data_parallel_group(self.process_group, self.device_mesh) if self.global_batch else None
         controlled = self.controller is not None and self.training  # an eval() forward is no part of a step
         reduced = reduce_kl(kl, inputs.mask, self.agg, self.agg_norm, *given, k, dp, self.agg if controlled else None)
         self.metric(kl.detach(), inputs.mask, sums=reduced.metric_sums)

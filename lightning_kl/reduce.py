@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from lightning_kl.ground.checks import compute_dtype
+from lightning_kl.ground.parallel import sum_or_refuse
 
 __all__ = [
     "AGG_MODES",
@@ -211,7 +212,7 @@ def reduce_kl(
             if given[needed] is not None:
                 # this process's step total in place of its micro-batch count
                 local[needed] = torch.as_tensor(given[needed], dtype=torch.float64, device=local.device).reshape(())
-            dp.all_reduce_sum(local)
+            local = sum_or_refuse(dp, local, None, local.device, 2, "KLPenaltyLoss")  # see KLPenaltyLoss.forward
             counts["num_tokens"], counts["num_seqs"] = local[0], local[1]
     counts["world_size"] = world * (1 if needed is not None and given[needed] is None else k)
     loss = aggregate_checked(kl, mask, agg, norm, **counts, dtype=kl.dtype)  # kl: in the compute dtype already

@@ -1,4 +1,5 @@
-"""``RolloutCorrection(batch_normalize=True)`` on 2 gloo processes when one process's inputs are refused.
+"""``RolloutCorrection(batch_normalize=True)`` and ``KLPenaltyLoss(global_batch=True)`` on 2 gloo processes
+when one process's inputs are refused.
 
 ``python tests/_correction_ddp_worker.py OUT_DIR`` spawns 2 processes (gloo, a file store in OUT_DIR, a
 process group timeout of :data:`PG_TIMEOUT_S`); each runs the cases of :func:`cases` in order and
@@ -36,6 +37,8 @@ def _inputs(rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 def cases(rank: int) -> dict[str, Callable[[], Any]]:
     fix = lk.RolloutCorrection("token", upper=2.0, batch_normalize=True)
+    kl = lk.KLPenaltyLoss("k3", agg="token-mean", global_batch=True)
+    kl_sum = lk.KLPenaltyLoss("k3", agg="token-sum", global_batch=True)
     lp, ro, mask = _inputs(rank)
     half = mask.double()
     if rank == 0:
@@ -57,6 +60,13 @@ def cases(rank: int) -> dict[str, Callable[[], Any]]:
         "good_after": lambda: fix(lp, ro, mask).weights.tolist(),
         "device_form_mask_half_on_rank0": device_form,
         "good_at_last": lambda: fix(lp, ro, mask).weights.tolist(),
+        # the loss's global batch: token-mean divides by the valid tokens of every process (one all-reduce)
+        "kl_good": lambda: kl(lp, ro, mask).item(),
+        "kl_logprob_above_0_on_rank1": lambda: kl(lp + 3.0 * rank, ro, mask).item(),
+        "kl_mask_half_on_rank0": lambda: kl(lp, ro, half).item(),
+        "kl_good_after": lambda: kl(lp, ro, mask).item(),
+        "kl_sum_mode_refused_on_rank1": lambda: kl_sum(lp + 3.0 * rank, ro, mask).item(),  # no collective: its own error
+        "kl_good_at_last": lambda: kl(lp, ro, mask).item(),
     }
 
 

@@ -1,6 +1,7 @@
-"""``RolloutCorrection(batch_normalize=True)`` under 2 gloo processes: an input refused on one process is
-refused on every process, promptly, instead of one raising while the other waits in the all-reduce of
-the mean weight until the process group's timeout (``tests/_correction_ddp_worker.py``)."""
+"""``RolloutCorrection(batch_normalize=True)`` and ``KLPenaltyLoss(global_batch=True)`` under 2 gloo
+processes: an input refused on one process is refused on every process, promptly, instead of one raising
+while the other waits in the all-reduce (of the mean weight, of the global batch's counts) until the
+process group's timeout, or pairs it with the next call's (``tests/_correction_ddp_worker.py``)."""
 
 from __future__ import annotations
 
@@ -47,6 +48,8 @@ def _global_weights() -> list[list[list[float]]]:
         ("mask_half_on_rank0", 0, r"`mask` must hold only 0 and 1 \(or be bool\), got 0\.5"),
         ("logprob_above_0_on_rank1", 1, r"`logprob` must hold log-probabilities \(<= 0\)"),
         ("not_a_tensor_on_rank1", 1, r"`logprob` must be a torch.Tensor, got list"),
+        ("kl_logprob_above_0_on_rank1", 1, r"`logprob` must hold log-probabilities"),
+        ("kl_mask_half_on_rank0", 0, r"`mask` must hold only 0 and 1 \(or be bool\), got 0\.5"),
     ],
 )
 def test_an_input_refused_on_one_rank_raises_the_same_error_on_every_rank(
@@ -76,3 +79,24 @@ def test_good_steps_around_the_failures_normalize_by_the_global_mean(records: li
     for rank, r in enumerate(records):
         for case in ("good", "good_after", "good_at_last"):
             assert_close(torch.tensor(r["cases"][case]["weights"]), torch.tensor(want[rank]), rtol=1e-12, atol=0)
+
+
+def _global_kl() -> float:
+    """The token-mean k3 loss of both ranks' rows in one process (the global batch)."""
+    rows = [worker._inputs(rank) for rank in range(worker.WORLD)]
+    lp, ro, mask = (torch.cat([r[i] for r in rows]) for i in range(3))
+    return float(lk.KLPenaltyLoss("k3", agg="token-mean")(lp, ro, mask))
+
+
+def test_the_global_batch_loss_around_the_failures_is_the_one_process_loss(records: list[dict[str, Any]]) -> None:
+    # each rank's loss is its share of the global token mean (DDP averages the ranks' losses): the two
+    # add up to the one-process loss of both ranks' rows before, between and after the refusals, so no
+    # all-reduce was left unmatched or paired with the wrong call
+    for case in ("kl_good", "kl_good_after", "kl_good_at_last"):
+        losses = [r["cases"][case]["weights"] for r in records]
+        assert_close(torch.tensor(sum(losses) / worker.WORLD), torch.tensor(_global_kl()), rtol=1e-12, atol=0)
+
+
+def test_a_mode_without_a_collective_raises_only_where_refused(records: list[dict[str, Any]]) -> None:
+    r0, r1 = (r["cases"]["kl_sum_mode_refused_on_rank1"] for r in records)
+    assert "weights" in r0 and r1["error"] == "ValueError" and "found on rank" not in r1["message"]

@@ -34,7 +34,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["DataParallelGroup", "agree", "check_parallel_args", "data_parallel_group"]
+from lightning_kl.ground.checks import host_reads
+
+__all__ = ["DataParallelGroup", "agree", "check_parallel_args", "collective_device", "data_parallel_group", "sum_or_refuse"]
 
 #: The name of the data parallel dimension in Lightning's ``ModelParallelStrategy`` device mesh.
 DATA_PARALLEL_DIM = "data_parallel"
@@ -236,6 +238,44 @@ def agree(problem: Optional[str], group: Any = None, error: type = ValueError) -
     ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
     first = next(i for i, message in enumerate(found) if message is not None)
     raise error(f"{found[first]} (found on rank {ranks[first]}; every rank raises this error)")
+
+
+def collective_device(x: Any, dp: DataParallelGroup) -> torch.device:
+    """Where this process's tensors for ``dp``'s collectives live, even when ``x`` is not a tensor."""
+    if isinstance(x, Tensor):
+        return x.device
+    if dist.get_backend(dp.group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def sum_or_refuse(
+    dp: DataParallelGroup, terms: Optional[Tensor], problem: Optional[str], device: torch.device, size: int, who: str
+) -> Tensor:
+    """Sum ``terms`` (``size`` numbers, or None where this process refused its inputs) over ``dp`` with a
+    count of the processes that refused theirs (``problem``, a message, or None), in one all-reduce.
+
+    A process that refused its inputs still meets the others in the all-reduce they are on their way
+    to. Then every process raises: where values are read on the host
+    (:func:`~lightning_kl.ground.checks.host_reads`) the same ``ValueError`` on each (:func:`agree`
+    gathers the message); elsewhere no value is read on the host per call: the refusing process raises
+    its own error (the caller re-raises it) and the others stop on a device assertion naming ``who``.
+    When no process refused anything, nothing more is read than the flag (on the host where values are
+    read on the host, else nowhere). Returns the summed terms.
+    """
+    if dp.size == 1 and terms is not None:
+        return terms
+    packed = torch.zeros(size + 1, dtype=torch.float64, device=device)
+    if terms is not None:
+        packed[:size] = terms
+    packed[size] = float(problem is not None)
+    dp.all_reduce_sum(packed)
+    if host_reads(packed.device):
+        if bool(packed[size] > 0):
+            agree(problem, dp.group)  # every process raises the same error
+    elif problem is None:  # (the refusing process raises its own error on return)
+        torch._assert_async(packed[size] == 0, f"{who}: another data parallel process refused its inputs")
+    return packed[:size]
 
 
 def data_parallel_group(
