@@ -39,6 +39,24 @@ def cases(rank: int) -> dict[str, Callable[[], Any]]:
     fix = lk.RolloutCorrection("token", upper=2.0, batch_normalize=True)
     kl = lk.KLPenaltyLoss("k3", agg="token-mean", global_batch=True)
     kl_sum = lk.KLPenaltyLoss("k3", agg="token-sum", global_batch=True)
+    callback = lk.KLRewardCallback("k3", process_group=dist.group.WORLD)  # an explicit group: no strategy needed
+
+    class Module:  # what the hook uses of a LightningModule
+        device = torch.device("cpu")
+        logged: dict[str, float] = {}
+
+        def log(self, name: str, value: Any, **_: Any) -> None:
+            self.logged[name] = float(value)
+
+    class Trainer:
+        strategy = None
+
+    def reward(lp: torch.Tensor, ro: torch.Tensor, mask: torch.Tensor, drop: Any = None) -> float:
+        batch = {"scores": torch.ones(lp.shape[0], dtype=lp.dtype), "logprobs": lp, "ref_logprobs": ro, "mask": mask}
+        batch.pop(drop, None)
+        module = Module()
+        callback.on_train_batch_start(Trainer(), module, batch, 0)  # type: ignore[arg-type]
+        return module.logged["kl/value"]
     lp, ro, mask = _inputs(rank)
     half = mask.double()
     if rank == 0:
@@ -67,6 +85,11 @@ def cases(rank: int) -> dict[str, Callable[[], Any]]:
         "kl_good_after": lambda: kl(lp, ro, mask).item(),
         "kl_sum_mode_refused_on_rank1": lambda: kl_sum(lp + 3.0 * rank, ro, mask).item(),  # no collective: its own error
         "kl_good_at_last": lambda: kl(lp, ro, mask).item(),
+        # KLRewardCallback: the rollout's statistics are summed over the processes (one all-reduce)
+        "reward_good": lambda: reward(lp, ro, mask),
+        "reward_logprob_above_0_on_rank1": lambda: reward(lp + 3.0 * rank, ro, mask),
+        "reward_no_mask_key_on_rank0": lambda: reward(lp, ro, mask, drop="mask" if rank == 0 else None),
+        "reward_good_after": lambda: reward(lp, ro, mask),
     }
 
 

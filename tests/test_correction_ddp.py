@@ -50,6 +50,8 @@ def _global_weights() -> list[list[list[float]]]:
         ("not_a_tensor_on_rank1", 1, r"`logprob` must be a torch.Tensor, got list"),
         ("kl_logprob_above_0_on_rank1", 1, r"`logprob` must hold log-probabilities"),
         ("kl_mask_half_on_rank0", 0, r"`mask` must hold only 0 and 1 \(or be bool\), got 0\.5"),
+        ("reward_logprob_above_0_on_rank1", 1, r"`logprobs` must hold log-probabilities"),
+        ("reward_no_mask_key_on_rank0", 0, r"the batch has no key 'mask'"),
     ],
 )
 def test_an_input_refused_on_one_rank_raises_the_same_error_on_every_rank(
@@ -100,3 +102,14 @@ def test_the_global_batch_loss_around_the_failures_is_the_one_process_loss(recor
 def test_a_mode_without_a_collective_raises_only_where_refused(records: list[dict[str, Any]]) -> None:
     r0, r1 = (r["cases"]["kl_sum_mode_refused_on_rank1"] for r in records)
     assert "weights" in r0 and r1["error"] == "ValueError" and "found on rank" not in r1["message"]
+
+
+def test_the_reward_callbacks_kl_around_the_failures_is_the_global_one(records: list[dict[str, Any]]) -> None:
+    # the mean over both ranks' sequences of each one's token-mean k3, the same on every rank, before and after
+    rows = [worker._inputs(rank) for rank in range(worker.WORLD)]
+    lp, ro, mask = (torch.cat([r[i] for r in rows]) for i in range(3))
+    per_token = lk.kl_penalty(lp, ro, "k3", mask=mask)
+    want = float((per_token.sum(-1) / mask.sum(-1)).mean())
+    for case in ("reward_good", "reward_good_after"):
+        for r in records:
+            assert abs(r["cases"][case]["weights"] - want) < 1e-12, (case, r["rank"], r["cases"][case])

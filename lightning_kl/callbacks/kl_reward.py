@@ -18,7 +18,7 @@ from lightning_kl.compute import kl_penalty_compute
 from lightning_kl.ground.checks import check_logprobs, check_mask, compute_dtype
 from lightning_kl.inputs import check_pair
 from lightning_kl.reduce import masked_row_sums
-from lightning_kl.ground.parallel import check_parallel_args, data_parallel_group
+from lightning_kl.ground.parallel import check_parallel_args, data_parallel_group, sum_or_refuse
 
 __all__ = ["KLRewardCallback"]
 
@@ -39,12 +39,14 @@ class KLRewardCallback(ControllerFaultCallback):
     Then the controller observes the KL of the *global* batch: the mean, over every sequence on every
     data parallel replica that has a valid token, of that sequence's token-mean KL, with ``n_steps``
     the global number of such sequences. The sum and the count are reduced with one ``all_reduce``
-    through ``trainer.strategy`` over the data parallel group (given as ``process_group`` or
+    over the data parallel group (given as ``process_group`` or
     ``device_mesh``, else the strategy's: ``ModelParallelStrategy``'s device mesh dimension
     ``"data_parallel"``, so that the tensor parallel ranks of a replica, which hold the same batch,
     count once; for DDP the world), so every process holds the same :math:`\beta`, and N replicas
     with batch ``b`` behave like one process with batch ``N * b``. The rewards of a batch use the coefficient
-    from before that batch's update.
+    from before that batch's update. A batch refused on one process (a missing key, log-probs above 0)
+    is refused on every one, with the same ``ValueError`` naming the rank that found it (on an
+    accelerator the others stop on a device assertion), where they would wait in the ``all_reduce``.
 
     Logs ``{log_prefix}coef`` (the :math:`\beta` used for this batch), ``{log_prefix}value`` (the
     global KL; NaN for a global batch with no valid token, which leaves :math:`\beta` unchanged) and
@@ -244,12 +246,18 @@ class KLRewardCallback(ControllerFaultCallback):
         # everything stays on the device: the coefficient, the reduced statistics, the update and
         # the logged tensors (Lightning reads them when it logs); no host read in this hook
         coef = self.controller.value_tensor(pl_module.device)  # the one this batch's rewards use
-        rewards, kl_sum, n_seqs = self.shape_rewards(batch)
-        n_rows = torch.full((), batch[self.mask_key].shape[:-1].numel(), dtype=torch.float64, device=kl_sum.device)
-        stats = torch.stack([kl_sum, n_seqs, n_rows])
         dp = data_parallel_group(self.process_group, self.device_mesh, strategy=trainer.strategy)
-        if dp.size > 1:
-            stats = trainer.strategy.reduce(stats, group=dp.group, reduce_op="sum")
+        try:
+            rewards, kl_sum, n_seqs = self.shape_rewards(batch)
+        except (TypeError, ValueError, KeyError) as err:
+            if dp.size == 1:
+                raise
+            # the other processes are on their way to the all-reduce of the statistics: meet them there, so
+            # that every process raises (the same ValueError where values are read on the host)
+            sum_or_refuse(dp, None, str(err), pl_module.device, 3, "KLRewardCallback")
+            raise
+        n_rows = torch.full((), batch[self.mask_key].shape[:-1].numel(), dtype=torch.float64, device=kl_sum.device)
+        stats = sum_or_refuse(dp, torch.stack([kl_sum, n_seqs, n_rows]), None, kl_sum.device, 3, "KLRewardCallback")
         current_kl = self.update_controller(stats[0], stats[1])
         batch_size = int(rewards.shape[0]) if rewards.ndim > 1 else 1
         pl_module.log(f"{self.log_prefix}coef", coef, on_step=True, on_epoch=False, batch_size=batch_size)
