@@ -473,7 +473,7 @@ def _zero_invalid(g: Tensor, invalid: Optional[Tensor], pos: slice) -> Tensor:
 
 
 def _row_sums(prod: Tensor) -> Tensor:
-    """The row sums of a chunk of products ``p_i (a_i - b_i)``, an entry ``0 * inf = NaN`` counted as
+    r"""The row sums of a chunk of products ``p_i (a_i - b_i)``, an entry ``0 * inf = NaN`` counted as
     0 (:math:`0 \log 0 = 0`: a token off the policy's support). The callers carry NaN inputs into the
     row by another term. On the CPU only rows whose plain sum is NaN are summed again with that rule
     (a bool mask or ``nan_to_num`` over ``[c, V]`` is one more pass per chunk); elsewhere one
@@ -489,7 +489,7 @@ def _row_sums(prod: Tensor) -> Tensor:
 
 
 def _scaled(g: Tensor, scale: Tensor) -> Tensor:
-    """``g * scale`` (``scale [c, 1]``) in place, every non-finite entry of ``g`` first made 0.
+    r"""``g * scale`` (``scale [c, 1]``) in place, every non-finite entry of ``g`` first made 0.
 
     The callers' unscaled gradients are non-finite only where a 0 weight meets an infinite log
     (:math:`0 \log 0`, a token outside a support: its gradient is 0), in a row of scale 0 (masked,
