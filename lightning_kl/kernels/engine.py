@@ -518,17 +518,29 @@ def _shifted(
     return (e.div_(temperature) if temperature != 1.0 else e), m
 
 
+def _softmax_input(
+    chunk: Tensor, fresh: bool, dtype: torch.dtype, temperature: float, state: dict[str, Tensor], key: str, m: Optional[Tensor] = None
+) -> Tensor:
+    """What ``log_softmax`` or ``softmax`` reads for a chunk's shifted scores ``e = (z - m) / T``: at
+    ``T = 1`` the logits themselves in the compute dtype (half ones cast into scratch ``key``), whose
+    ``log_softmax`` and ``softmax`` are ``e``'s bitwise (both subtract the same, exact, max); else ``e``
+    (:func:`_shifted`, with the shift ``m`` when given). Not ``e`` itself at ``T = 1``: callers that need
+    ``e`` (the entropy) take :func:`_shifted`."""
+    if temperature == 1.0:
+        return chunk if chunk.dtype == dtype else _scratch(state, chunk.shape, dtype, chunk.device, key).copy_(chunk)
+    return _shifted(chunk, fresh, dtype, temperature, state, key, m)[0]
+
+
 def _log_probs(src: Source, idx: slice | Tensor, dtype: torch.dtype, temperature: float, state: dict[str, Tensor], key: str, out: Optional[Tensor] = None) -> Tensor:
     """A chunk's log-probs over the whole vocabulary, ``log_softmax(e)`` of its shifted scores
-    ``e = (z - m) / T`` (:func:`_shifted`; ``z`` itself for ``T = 1`` in the compute dtype), written
-    into ``out`` or scratch ``key + "l"``.
+    ``e = (z - m) / T`` (read as :func:`_softmax_input` says), written into ``out`` or scratch ``key + "l"``.
 
     torch's CPU ``log_softmax`` forms ``(e - max e) - log S`` per row, so these are bitwise the
     shifted scores minus their log-sum, from one fused read of each row (its sum of exponentials
     is the fastest on the CPU): the rows' quantities without a separate ``exp`` and ``sum``.
     """
     chunk, fresh = src.read(idx)
-    x = chunk if temperature == 1.0 and chunk.dtype == dtype else _shifted(chunk, fresh, dtype, temperature, state, key)[0]
+    x = _softmax_input(chunk, fresh, dtype, temperature, state, key)
     if out is None:
         out = _scratch(state, x.shape, dtype, x.device, key + "l")
     return torch._log_softmax(x, -1, False, out=out)
@@ -643,8 +655,8 @@ class _Rows(torch.autograd.Function):
                 elif want_lp:  # each id lies in one tile, which gives its logit; the others add 0
                     here, c = _in_tile(col[pos], cols)  # type: ignore[index]
                     stats[_ZY, pos] += torch.where(here, chunk.gather(1, c).squeeze(1).to(dtype), 0)
-                if temp == 1.0 and not want_ent:  # log_softmax(z) is log_softmax(z - m) bitwise: no shifted copy
-                    e = chunk if chunk.dtype == dtype else _scratch(state, chunk.shape, dtype, device, "e").copy_(chunk)
+                if temp == 1.0 and not want_ent:  # no shifted copy (the entropy needs e itself)
+                    e = _softmax_input(chunk, fresh, dtype, temp, state, "e")
                     m = e.amax(dim=-1, keepdim=True)
                 else:
                     e, m = _shifted(chunk, fresh, dtype, temp, state, "e")
@@ -779,9 +791,11 @@ class _Rows(torch.autograd.Function):
                 gh = gh.masked_fill(ignored, 0)
             b = -gh
             a = a + b * spread
-        inv = torch.exp(-c).mul_(1.0 / temp)
-        factors = {False: (a * inv, None if b is None else b * inv), True: (a * (1.0 / temp), None if b is None else b * (1.0 / temp))}
-        factors = {k: (al.unsqueeze(1), None if be is None else be.unsqueeze(1)) for k, (al, be) in factors.items()}
+
+        def times(norm: Tensor | float) -> tuple[Tensor, Optional[Tensor]]:  # (alpha, beta) as [n, 1]
+            return (a * norm).unsqueeze(1), None if b is None else (b * norm).unsqueeze(1)
+
+        factors = {False: times(torch.exp(-c).mul_(1.0 / temp)), True: times(1.0 / temp)}  # keyed by whole
         shift = m.unsqueeze(1)
         # top-p splits tied scores at its boundary, and another model's kept set is no threshold on
         # these logits: the processing runs again there (the same ops on the same numbers)
@@ -797,9 +811,9 @@ class _Rows(torch.autograd.Function):
                 direct = writer.direct(pos, dtype)
                 if whole:  # p = softmax(e) into the gradient's rows; e kept aside for the entropy
                     chunk, fresh = src.read(idx, cols)
-                    if beta is None and temp == 1.0:  # softmax(z) is softmax(z - m) bitwise: it subtracts the same max
-                        e = chunk if chunk.dtype == dtype else _scratch(state, chunk.shape, dtype, chunk.device, "e").copy_(chunk)
-                    else:
+                    if beta is None:
+                        e = _softmax_input(chunk, fresh, dtype, temp, state, "e", shift[pos])
+                    else:  # the entropy needs e itself
                         e, _ = _shifted(chunk, fresh, dtype, temp, state, "e", shift[pos])
                     u = torch._softmax(e, -1, False, out=_scratch(state, e.shape, dtype, e.device, "u") if direct is None else direct)
                     del chunk
