@@ -69,7 +69,29 @@ def test_target_controller_follows_dual_ascent_on_log_beta():
     host = lk.TargetKLController(target_kl=0.5, init_kl_coef=0.1, step_size=0.3, min_kl_coef=0.02, max_kl_coef=0.4)
     for kl in (0.9, 0.5, 0.2, 3.0):
         host.update(kl, n_steps=3)
-    assert dev.value == host.value
+    assert dev.value == host.value  # bitwise by construction: one exp for both paths (the next test)
+
+
+def test_the_float_and_tensor_paths_share_one_exp_and_agree_bitwise_on_any_input():
+    # math.exp and torch.exp disagree by an ulp on some inputs (here 1 in 200; on an AVX-512 CPU 1 in 20):
+    # the float path runs torch's exp on a float64 CPU tensor, so both paths give the same bits on any CPU
+    from lightning_kl.controllers import adaptive_kl_factor, target_kl_factor
+
+    kls = (torch.rand(400, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 2.0).tolist()
+    for kl in kls:
+        assert target_kl_factor(kl, 1.0, 0.37) == float(target_kl_factor(torch.tensor(kl, dtype=torch.float64), 1.0, 0.37))
+        n = torch.tensor(7.0, dtype=torch.float64)
+        assert adaptive_kl_factor(kl, 1.0, 7, 100.0) == float(adaptive_kl_factor(torch.tensor(kl, dtype=torch.float64), 1.0, n, 100.0))
+    for make in (
+        lambda: lk.TargetKLController(target_kl=1.0, init_kl_coef=0.1, step_size=0.013, min_kl_coef=1e-9, max_kl_coef=1e9),
+        lambda: lk.AdaptiveKLController(init_kl_coef=0.1, target_kl=1.0, horizon=1000),
+        lambda: lk.KLSchedule(lk.TargetKLController(1.0, 0.1, 0.013, 1e-9, 1e9), kind="linear", warmup_steps=3, total_steps=300),
+    ):
+        host, dev = make(), make()
+        for kl in kls:
+            host.update(kl, n_steps=7)
+            dev.update(torch.tensor(kl, dtype=torch.float64), torch.tensor(7.0, dtype=torch.float64))
+            assert float(dev.value_tensor()) == host.value, type(host).__name__
 
 
 def test_target_controller_edges_at_the_target_and_at_the_bounds():
