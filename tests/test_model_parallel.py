@@ -112,12 +112,15 @@ def reference_trajectory(n_steps: int) -> list[float]:
     return out
 
 
-def test_callback_coefficient_is_bitwise_the_one_process_one_and_rewards_match(run: Any) -> None:
+def test_callback_coefficient_is_the_one_process_one_to_rounding_and_rewards_match(run: Any) -> None:
     _, ranks, single = run
     assert_close(single["coef"], reference_trajectory(len(single["coef"])), rtol=1e-13, atol=0)
     rows = worker.GLOBAL_B // ranks[0]["dp_size"]
     for r in ranks:
-        assert r["coef"] == single["coef"]  # bitwise, every step
+        assert r["coef"] == ranks[0]["coef"]  # bitwise across ranks: one all-reduce gives every rank the same bits
+        # against one process: the global KL sums the ranks' shares in another order (an ulp or so of the KL,
+        # which moves the factor 1 + e n / horizon by far less); a few float64 roundings a step: rtol 1e-13
+        assert_close(r["coef"], single["coef"], rtol=1e-13, atol=0)
         for got, full in zip(r["rewards"], single["rewards"]):
             expected = full[r["dp_rank"] * rows : (r["dp_rank"] + 1) * rows]
             assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-12, atol=1e-12)
