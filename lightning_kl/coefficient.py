@@ -127,10 +127,19 @@ class ControllerState(nn.Module):
             destination.pop(prefix + "_extra_state", None)
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-        # a state_dict saved before the controller's state was kept in it has no entry: keep the coefficient
+        # no entry: a number coef's state_dict, or one saved before the controller's state was kept in it
+        # (0.2). It loads, strict or not; into a controller with a warning, as the other direction warns
         key = prefix + "_extra_state"
         had = key in state_dict
         super()._load_from_state_dict(state_dict, prefix, *args)
         missing_keys = args[2]
         if not had and key in missing_keys:
             missing_keys.remove(key)
+        if not had and self.controller is not None:
+            mine = type(self.controller).__qualname__
+            warn_user(
+                f"{type(self).__name__}: the state_dict holds no controller state (a number coef's, or one saved by "
+                f"lightning-kl 0.2) but this {self.kind} has {mine}; keeping the coefficient as constructed"
+                + (" (the schedule restarts from step 0, its warm-up included)." if mine == "KLSchedule" else "."),
+                rank_zero=True,
+            )

@@ -27,6 +27,8 @@ from typing import Any, Optional, TypeVar, Union
 import torch
 from torch import Tensor
 
+from lightning_kl.ground.checks import warn_user
+
 __all__ = [
     "AdaptiveKLController",
     "FixedKLController",
@@ -537,7 +539,18 @@ class KLSchedule(KLController):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """The step, and the controller's state when it is of the controller's class: a state of another
+        class warns and keeps the controller as constructed (as a module or callback does for a controller
+        of another class)."""
         self.step = int(state_dict["step"])
+        saved, mine = state_dict.get("controller_class"), type(self.controller).__qualname__
+        if saved is not None and saved != mine:
+            warn_user(
+                f"KLSchedule: the state holds the state of a {saved} but this schedule wraps a {mine}; keeping the "
+                f"{mine} as constructed (the schedule's step, {self.step}, is loaded).",
+                rank_zero=True,
+            )
+            return
         self.controller.load_state_dict(state_dict["controller"])
 
     def __repr__(self) -> str:

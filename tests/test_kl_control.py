@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -306,14 +307,57 @@ def test_state_dict_carries_the_controller_and_old_state_dicts_still_load():
     fresh = lk.KLPenaltyLoss("k3+", coef=lk.KLSchedule(lk.TargetKLController(1.0, 0.9), warmup_steps=3))
     fresh.load_state_dict(state)
     assert (fresh.controller.step, fresh.coef) == (2, loss.coef)
-    # a state_dict from before (no entry) keeps the constructed coefficient, strict or not
-    fresh.load_state_dict({k: v for k, v in state.items() if not k.endswith("_extra_state")})
+    # a state_dict from before (no entry) keeps the constructed coefficient, strict or not, with a warning
+    with pytest.warns(UserWarning, match="holds no controller state .* has KLSchedule; keeping the coefficient"):
+        fresh.load_state_dict({k: v for k, v in state.items() if not k.endswith("_extra_state")})
     number = lk.KLPenaltyLoss("k3+", coef=0.2)
     number.load_state_dict({})
     assert number.coef == 0.2
     with pytest.warns(UserWarning, match="holds the state of KLSchedule but this loss has a number coef"):
         number.load_state_dict(state)
     assert number.coef == 0.2
+
+
+def test_a_number_coefs_state_dict_into_a_controller_warns_as_the_other_direction_does():
+    # a number coef saves no controller state: loading it into a controller restarts the controller (a
+    # schedule's warm-up too), which must not be silent, as a controller's state into a number coef is not
+    number = lk.KLPenaltyLoss("k3+", coef=0.2)
+    sched = lk.KLSchedule(lk.TargetKLController(1.0, 0.3), warmup_steps=3)
+    sched.update(0.5, 4)
+    controlled = lk.KLPenaltyLoss("k3+", coef=sched)
+    with pytest.warns(UserWarning, match=r"no controller state .* has KLSchedule; .*restarts from step 0, its warm-up"):
+        controlled.load_state_dict(number.state_dict())
+    assert controlled.controller.step == 1  # as constructed (here: moved before the load)
+    with pytest.warns(UserWarning, match="no controller state .* has TargetKLController; keeping the coefficient"):
+        lk.KLPenaltyLoss("k3+", coef=lk.TargetKLController(1.0, 0.3)).load_state_dict(number.state_dict(), strict=False)
+    with pytest.warns(UserWarning, match="holds the state of KLSchedule but this loss has a number coef"):
+        number.load_state_dict(controlled.state_dict())
+    bonus = lk.EntropyBonus(coef=lk.TargetEntropyController(0.5, init_coef=0.01))
+    with pytest.warns(UserWarning, match="EntropyBonus: the state_dict holds no controller state .* this bonus has"):
+        bonus.load_state_dict(lk.EntropyBonus(coef=0.01).state_dict())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lk.KLPenaltyLoss("k3+", coef=0.3).load_state_dict(number.state_dict())  # number into number: nothing to say
+
+
+def test_a_schedules_state_of_another_controller_class_warns_and_keeps_its_controller():
+    # as a plain controller of another class does (the module and the callback warn and keep theirs)
+    saved = lk.KLSchedule(lk.AdaptiveKLController(init_kl_coef=0.5), warmup_steps=4)
+    for _ in range(2):
+        saved.update(3.0, 8)
+    target = lk.KLSchedule(lk.TargetKLController(1.0, 0.02), warmup_steps=4)
+    with pytest.warns(UserWarning, match="holds the state of a AdaptiveKLController but this schedule wraps a TargetKLController"):
+        target.load_state_dict(saved.state_dict())
+    assert target.controller.value == 0.02 and target.step == 2  # its own coefficient; the schedule's step
+    loss = lk.KLPenaltyLoss("k3+", coef=lk.KLSchedule(lk.TargetKLController(1.0, 0.02), warmup_steps=4))
+    with pytest.warns(UserWarning, match="this schedule wraps a TargetKLController"):
+        loss.load_state_dict(lk.KLPenaltyLoss("k3+", coef=saved).state_dict())
+    assert loss.controller.controller.value == 0.02
+    same = lk.KLSchedule(lk.AdaptiveKLController(init_kl_coef=0.1), warmup_steps=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        same.load_state_dict(saved.state_dict())
+    assert (same.step, same.controller.value) == (2, saved.controller.value)
 
 
 # ---------------------------------------------------------------------------------------------
