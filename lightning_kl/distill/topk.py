@@ -33,18 +33,25 @@ set :math:`K`. An id of the teacher's list outside :math:`K` keeps its own cell 
 :math:`\tilde p(K \setminus I)`. The teacher is taken as served (its unprocessed distribution, at
 whatever temperature the server scored): the coarsening of ``lk.full_kl(..., reference="unprocessed")``,
 the finest partition the payload allows, so the tightest lower bound of that full divergence. Hence
-``"reverse"`` and ``"jsd"`` (``0 < beta < 1``) are finite, while ``"forward"`` and ``"mixed"`` are
-``+inf`` on a row where the teacher has mass in a cell the student cannot sample (an id outside
-:math:`K`, or a teacher tail against an empty student tail): the full forward KL is infinite there too.
+``"reverse"`` and ``"jsd"`` (``0 < beta < 1``) are finite, while ``"forward"`` and ``"mixed"``
+(``beta < 1``) are ``+inf`` on a row where the teacher has mass on an id outside :math:`K`, a cell the
+student cannot sample: the full forward KL is infinite there too.
 A backward through an infinite value raises (as ``reference="processed"`` does). The references
 ``"processed"`` and ``"policy_kept"`` need the teacher's whole row: refused with a truncating sampler.
 
 **Neutral entries.** A ``-inf`` log-prob is padding (a shorter list): the entry is no cell, its id is
 not read (any value). Rows where ``mask`` is False get 0 and exactly zero gradient, and their payload
-is not checked. **Rounding.** A tail of at most ``k`` units in the last place of its dtype (the
-student's compute dtype; the served log-probs' dtype, at most :attr:`TopK.tolerance`) is 0: at
-``k = V`` both tails are rounding noise, and a noise tail against a zero one would give ``log 0``.
-The tails are differences ``1 - sum``: known to about ``k`` ulps, whatever their size.
+is not checked.
+
+**The tails' resolution.** A tail is a difference :math:`1 - \sum`: the cells' maths runs in float64,
+so it is known to about the rounding of the log-probs it is summed from, whatever its size. A tail of
+at most ``32`` units in the last place of its log-probs' dtype (the student's compute dtype: 3.8e-6 in
+float32, 7.1e-15 in float64; the served log-probs' dtype, at most :attr:`TopK.tolerance`) is not
+resolved: where both tails are, both are 0 (the cells hold all the mass: ``k = V``, or a kept set among
+the ids against a teacher whose list holds all of its mass); where one is, it counts as its floor (it
+lies in ``[0, floor]``; 0 would make a ``log 0`` of the rounding). So the value is exact up to what a
+change of a tail by its floor moves it, and a student tail that is exactly 0 (a kept set among the ids)
+against a teacher's resolved tail gives the forward directions a large finite value, not ``+inf``.
 """
 
 from __future__ import annotations
@@ -65,6 +72,7 @@ __all__ = ["TopK", "TopKDivergence", "topk_divergence"]
 
 _NINF = float("-inf")
 _LN2 = math.log(2.0)
+_ULPS = 32  # the tails' resolution, in units in the last place of the log-probs' dtype (see the module's docs)
 
 
 @dataclass(frozen=True, eq=False)
@@ -196,9 +204,9 @@ def _checked(topk: TopK, lead: torch.Size, vocab: Optional[int], valid: Tensor, 
     return ids.masked_fill(~live, 0), lq
 
 
-def _log_tail(lp: Tensor, floor: float) -> Tensor:
-    r""":math:`\log(1 - \sum_j e^{lp_j})` per row, differentiable, ``-inf`` for a tail at most ``floor``
-    (rounding noise) or at or below 0; no NaN in the gradient where the cells hold all the mass or none."""
+def _log_tail(lp: Tensor) -> Tensor:
+    r""":math:`\log(1 - \sum_j e^{lp_j})` per row, differentiable, ``-inf`` at or below 0; no NaN in the
+    gradient where the cells hold all the mass or none."""
     top = lp.detach().amax(dim=-1, keepdim=True)
     top = torch.where(top == _NINF, 0.0, top)
     s = torch.exp(lp - top).sum(dim=-1)
@@ -208,11 +216,20 @@ def _log_tail(lp: Tensor, floor: float) -> Tensor:
     a_near = torch.where(near & (a < 0), a, -1.0)
     a_far = torch.where(near, -1.0, a)
     lt = torch.where(near, torch.log(-torch.expm1(a_near)), torch.log1p(-torch.exp(a_far)))
-    return torch.where((a < 0) & (lt > math.log(floor)), lt, _NINF)
+    return torch.where(a < 0, lt, _NINF)
 
 
-def _floor(dtype: torch.dtype, k: int, cap: float = 1.0) -> float:
-    return min(k * torch.finfo(dtype).eps, cap)
+def _floor(dtype: torch.dtype, cap: float = 1.0) -> float:
+    """The smallest tail a ``1 - sum`` of log-probs of ``dtype`` resolves: the sum is known to a few ulps."""
+    return min(_ULPS * torch.finfo(dtype).eps, cap)
+
+
+def _resolved(lt_p: Tensor, floor_p: float, lt_q: Tensor, floor_q: float) -> tuple[Tensor, Tensor]:
+    """Tails below their floor: both 0 where both are (the cells hold all the mass), else the floor."""
+    low_p, low_q = lt_p <= math.log(floor_p), lt_q <= math.log(floor_q)
+    both = low_p & low_q
+    lt_p = torch.where(both, _NINF, torch.where(low_p, math.log(floor_p), lt_p))
+    return lt_p, torch.where(both, _NINF, torch.where(low_q, math.log(floor_q), lt_q))
 
 
 def topk_divergence(
@@ -279,16 +296,16 @@ def topk_divergence(
     n, k = lead.numel(), topk.k
     valid = torch.ones(n, dtype=torch.bool, device=lead_t.device) if mask is None else mask.reshape(-1)
     vocab = None if part.split else (src.x.shape[-1] if src.weight is None else src.weight.shape[0])
-    dtype = compute_dtype(src.x, topk.logprobs)
-    ids, lq = _checked(topk, lead, vocab, valid, dtype)
+    out_dtype = compute_dtype(src.x, topk.logprobs)
+    ids, lq = _checked(topk, lead, vocab, valid, torch.float64)  # the k + 1 cells' maths in float64: [n, k + 1]
     lp, _, _ = token_logprobs_kernel(src, ids, None if mask is None else ~valid, proc, part, chunk_size)
-    lp = torch.where(lq == _NINF, _NINF, lp.reshape(n, k).to(dtype))  # padding and masked rows: no cell
-    lt_p = _log_tail(lp, _floor(compute_dtype(src.x), k))
+    lp = torch.where(lq == _NINF, _NINF, lp.reshape(n, k).to(torch.float64))  # padding and masked rows: no cell
     with torch.no_grad():
-        lt_q = _log_tail(lq, _floor(topk.logprobs.dtype, k, TopK.tolerance))
+        lt_q = _log_tail(lq)
+    lt_p, lt_q = _resolved(_log_tail(lp), _floor(compute_dtype(src.x)), lt_q, _floor(topk.logprobs.dtype, TopK.tolerance))
     cells_p = torch.cat([lp, lt_p.unsqueeze(1)], dim=1)
     cells_q = torch.cat([lq, lt_q.unsqueeze(1)], dim=1)
-    value = torch.where(valid, pointwise(cells_p, cells_q, name, beta)[0].sum(-1), 0.0)
+    value = torch.where(valid, pointwise(cells_p, cells_q, name, beta)[0].sum(-1), 0.0).to(out_dtype)
     if value.requires_grad:
         value.register_hook(_refuse_infinite(value.detach(), lead))
     value = value.view(lead)
@@ -305,9 +322,8 @@ def _refuse_infinite(value: Tensor, lead: torch.Size) -> Any:
     def hook(grad: Tensor) -> None:
         bad = torch.isinf(value) & (grad != 0)
         why = (
-            "the teacher has mass in a cell the student cannot sample (an id outside the sampler's kept set, or a "
-            "tail against an empty one): its gradient does not exist. Use divergence='reverse' or 'jsd', the "
-            "temperature alone, or mask those tokens"
+            "the teacher has mass in a cell the student cannot sample (an id outside the sampler's kept set): its "
+            "gradient does not exist. Use divergence='reverse' or 'jsd', the temperature alone, or mask those tokens"
         )
         _refuse(bad, lead, lambda r: f"the top-k divergence is +inf at position {_where(lead, r)}", why)
 
