@@ -312,7 +312,7 @@ def topk_divergence(
     if not return_tails:
         return value
     with torch.no_grad():
-        tails = [torch.where(valid, t.exp(), 0.0).view(lead) for t in (lt_p, lt_q)]
+        tails = [torch.where(valid, t.exp(), 0.0).to(out_dtype).view(lead) for t in (lt_p, lt_q)]
     return TopKDivergence(value, *tails)
 
 
