@@ -735,7 +735,7 @@ class _Rows(torch.autograd.Function):
                 check_values(
                     unowned,
                     lambda: ValueError(
-                        f"token id {int(ids[unowned][0])} is owned by {int(owners[unowned][0])} vocabulary shards, not 1: ids "
+                        f"token id {int(ids.view(n, k)[unowned][0])} is owned by {int(owners[unowned][0])} vocabulary shards, not 1: ids "
                         "must lie in [0, V) of the split vocabulary (or be `ignore_index`), and the shards' offsets must tile it."
                     ),
                     "every token id must be owned by exactly one vocabulary shard: ids in [0, V) (or ignore_index), shards that tile [0, V)",
