@@ -403,6 +403,10 @@ def full_kl(
         reference: one of :data:`REFERENCES`.
         chunk_size: rows per chunk.
 
+    ``ref_x`` may be a teacher's top-k log-probs, :class:`~lightning_kl.TopK`: the divergence between both
+    models coarsened onto its ids and a tail (:func:`lightning_kl.distill.topk.topk_divergence`, which takes
+    ``divergence=``, ``beta=`` and ``return_tails=``).
+
     The deprecated ``temperature=`` keyword still works, with a ``DeprecationWarning``.
 
     Returns:

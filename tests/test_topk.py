@@ -12,7 +12,7 @@ import torch
 from torch.testing import assert_close
 
 import lightning_kl as lk
-from lightning_kl.distill.topk import TopKDivergence, topk_divergence
+from lightning_kl.distill.topk import TopKDivergence
 from lightning_kl.kernels import engine
 from lightning_kl.kernels.engine import WHOLE, Tensors, token_logprobs_kernel
 
@@ -432,3 +432,35 @@ def test_the_engine_gathers_k_ids_per_row_with_their_summed_gradient(monkeypatch
     one, _, _ = token_logprobs_kernel(src, ids[:, :1], ignored, s, WHOLE, 3)
     single, _, _ = token_logprobs_kernel(src, ids[:, 0], ignored, s, WHOLE, 3)
     assert torch.equal(one[:, 0], single)
+
+
+def test_the_device_form_of_the_checks_names_the_rule_without_a_host_read(monkeypatch):
+    """Off the CPU nothing is read on the host: a bad payload and a backward through +inf stop on a device
+    assertion naming the rule (run here on the CPU with host reads refused)."""
+    from lightning_kl.ground import checks
+
+    monkeypatch.setattr(checks, "HOST_READ_DEVICES", frozenset())
+    z = torch.zeros(1, 2, 5, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match=r"a row's ids must be distinct"):
+        lk.full_kl(z, _payload([[[1, 1], [0, 2]]], [[[-1.0, -2.0], [-1.0, -2.0]]]))
+    with pytest.raises(RuntimeError, match=r"sum to at most 1"):
+        lk.full_kl(z, _payload([[[1, 3], [0, 2]]], [[[-0.1, -0.2], [-1.0, -2.0]]]))
+    zt = torch.tensor([[3.0, 2.0, 0.0, -1.0]], dtype=torch.float64, requires_grad=True)
+    fwd = lk.full_kl(zt, _payload([[1, 3]], [[-1.0, -0.9]]), sampling=lk.Sampling(top_k=2), divergence="forward")
+    with pytest.raises(RuntimeError, match=r"cannot sample"):
+        fwd.sum().backward()
+
+
+def test_a_bfloat16_head_gives_the_float32_value_of_its_logits():
+    """From a bf16 head (FromHidden) the maths runs in float32 (the engine's) and float64 (the cells): the
+    value is that of the head's bf16 logits in float64 to float32 rounding."""
+    gen = torch.Generator().manual_seed(6)
+    h = torch.randn(2, 3, 8, generator=gen).bfloat16().requires_grad_()
+    W = torch.randn(40, 8, generator=gen).bfloat16().requires_grad_()
+    lq, ids = torch.randn(2, 3, 40, generator=gen).log_softmax(-1).topk(5, dim=-1)
+    got = lk.full_kl(lk.FromHidden(h, W), lk.TopK(ids, lq), divergence="jsd", beta=0.5)
+    assert got.dtype == torch.float32
+    want = lk.full_kl((h @ W.T).double(), lk.TopK(ids, lq.double()), divergence="jsd", beta=0.5)
+    assert_close(got, want.float(), rtol=1e-4, atol=1e-6)
+    got.sum().backward()
+    assert h.grad.dtype == torch.bfloat16 and torch.isfinite(h.grad.float()).all() and torch.isfinite(W.grad.float()).all()

@@ -63,7 +63,7 @@ from typing import Any, ClassVar, NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from lightning_kl.ground.checks import check_mask, check_values, compute_dtype, host_reads
+from lightning_kl.ground.checks import check_mask, check_values, compute_dtype
 from lightning_kl.kernels.divergence import check_divergence, pointwise
 from lightning_kl.kernels.engine import REFERENCES, token_logprobs_kernel
 from lightning_kl.logprobs import FromHidden, _sampling, _source
