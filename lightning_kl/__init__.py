@@ -23,6 +23,7 @@ from lightning_kl.functional import AggMode, aggregate, kl_penalty
 from lightning_kl.ground.checks import warn_user
 from lightning_kl.high_entropy import high_entropy_mask
 from lightning_kl.logprobs import FromHidden, full_kl, token_entropy, token_logprobs, token_logprobs_and_entropy
+from lightning_kl.distill.topk import TopK
 from lightning_kl.loss import KLPenaltyLoss
 from lightning_kl.metric import KLMetric
 from lightning_kl.mismatch import mismatch_metrics
@@ -55,6 +56,7 @@ __all__ = [
     "VocabShard",
     "TargetEntropyController",
     "TargetKLController",
+    "TopK",
     "Sampling",
     "aggregate",
     "full_kl",

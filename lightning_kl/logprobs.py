@@ -403,6 +403,10 @@ def full_kl(
         reference: one of :data:`REFERENCES`.
         chunk_size: rows per chunk.
 
+    ``ref_x`` may be a teacher's top-k log-probs, :class:`~lightning_kl.TopK`: the divergence between both
+    models coarsened onto its ids and a tail (:func:`lightning_kl.distill.topk.topk_divergence`, which takes
+    ``divergence=``, ``beta=`` and ``return_tails=``).
+
     The deprecated ``temperature=`` keyword still works, with a ``DeprecationWarning``.
 
     Returns:
@@ -425,6 +429,10 @@ def full_kl(
         >>> full_kl(torch.tensor([[2.0, 1.0, 0.0]]), torch.tensor([[0.0, 1.0, 2.0]]), sampling=Sampling(top_k=2), reference="processed")
         tensor([inf])
     """
+    from lightning_kl.distill.topk import TopK, topk_divergence  # (that module imports this one)
+
+    if isinstance(ref_x, TopK):  # a teacher's top-k log-probs: the divergence coarsened onto its ids and a tail
+        return topk_divergence(x, ref_x, mask, sampling=sampling, reference=reference, chunk_size=chunk_size, **legacy)
     proc = _sampling(sampling, legacy, "full_kl")
     if reference not in REFERENCES:
         raise ValueError(f"`reference` must be one of {REFERENCES}, got {reference!r}.")

@@ -381,7 +381,31 @@ def run_entropy_one_pass(code: str, monkeypatch: Any) -> None:
                                                   sampling=lk.Sampling(temperature=0.9)), rtol=0, atol=1e-5)
 
 
+def run_distillation_topk(code: str, monkeypatch: Any) -> None:
+    ns = _tensors()
+    lq, ids = ns["ref_logits"].log_softmax(-1).topk(4, dim=-1)  # the reference as a served teacher's top-4
+    lq[0, 0, 3] = float("-inf")  # a shorter list
+    out = run_fragment(code, topk_ids=ids, topk_logprobs=lq)
+    lp = (out["logits"].detach() / 0.9).log_softmax(-1)  # the student at T = 0.9, the teacher served at T = 1
+    full = (lp.exp() * (lp - ns["ref_logits"].log_softmax(-1))).sum(-1) * out["mask"]
+    assert torch.isfinite(out["kl_loss"]) and (out["out"].value <= full + 1e-6).all()  # a lower bound of the full KL
+    out["kl_loss"].backward()
+    assert set(out["self"].logged) == {"opd/kl", "opd/student_tail", "opd/teacher_tail"}
+
+
+def run_distillation_reward(code: str, monkeypatch: Any) -> None:
+    ns = _tensors()
+    batch = {**ns["batch"], "teacher_logprobs": ns["ref_logprob"], "scores": torch.zeros(B)}
+    out = run_fragment(code, batch=batch)
+    want = -(batch["logprobs"] - batch["teacher_logprobs"]).masked_fill(~ns["mask"], 0)
+    assert_close(out["rewards"], want, rtol=0, atol=1e-6)
+    rewards, _, _ = out["opd"].shape_rewards(batch)  # the callback writes the same per-token reward
+    assert_close(rewards, want, rtol=0, atol=1e-6)
+
+
 RUNNERS: dict[tuple[str, int], Callable[..., None]] = {
+    ("docs/distillation.md", 0): run_distillation_topk,
+    ("docs/distillation.md", 1): run_distillation_reward,
     ("docs/entropy.md", 0): run_entropy_module,
     ("docs/entropy.md", 1): run_entropy_one_pass,
     ("README.md", 0): run_readme_grpo,

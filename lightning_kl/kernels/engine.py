@@ -450,9 +450,8 @@ def _grads(writer: Optional[LogitsGrad | HeadGrad], part: Partition) -> tuple[Op
 
 
 def _in_tile(col: Tensor, cols: slice) -> tuple[Tensor, Tensor]:
-    """Which columns ``col [c, 1]`` lie in the tile ``cols``, and their column there (clamped into it, ``[c, 1]``)."""
-    col = col.squeeze(1)
-    return (col >= cols.start) & (col < cols.stop), (col - cols.start).clamp_(0, cols.stop - cols.start - 1).unsqueeze(1)
+    """Which columns ``col [c, k]`` lie in the tile ``cols``, and their column there (clamped into it, ``[c, k]``)."""
+    return (col >= cols.start) & (col < cols.stop), (col - cols.start).clamp_(0, cols.stop - cols.start - 1)
 
 
 def _zero_rows(t: Tensor, rows: Tensor) -> Tensor:
@@ -559,14 +558,18 @@ def token_logprobs_kernel(
     chunk_size: Optional[int] = None,
     kept_from: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Log-probs of ``ids [n]`` (int64; in ``[0, V)`` for the whole vocabulary, global ids on a split)
+    r"""Log-probs of ``ids [n]`` (int64; in ``[0, V)`` for the whole vocabulary, global ids on a split)
     under the processed distribution of a checked source, with the kept log-mass and the outside flags.
 
+    ``ids`` may be ``[n, k]``: ``k`` ids per row (a teacher's top-k), from the same one pass (each row's
+    normalizer once); ``logprobs`` and ``outside`` are then ``[..., k]``, and the gradient w.r.t. the
+    logits is the sum of the ``k`` tokens' (:math:`\sum_j g_j [i = y_j] - \tilde p_i \sum_j g_j`).
     ``kept_from`` (logits ``[..., V]`` of another model, no gradient) chooses the kept set instead of
     ``src``. Returns ``(logprobs, log_kept, outside)``, each ``[...]``: ``logprobs`` differentiable
     (``-inf`` with zero gradient where the token is outside the kept set), ``log_kept`` without grad
-    (0 without truncation), ``outside`` bool. Ignored tokens: 0, 0, False, zero gradient. On a split
-    vocabulary each id must be owned by exactly one rank (checked, without a host read off the CPU).
+    (0 without truncation), ``outside`` bool. Ignored tokens (``ignored [n]``, whole rows): 0, 0, False,
+    zero gradient. On a split vocabulary each id must be owned by exactly one rank (checked, without a
+    host read off the CPU).
     """
     lp, _, log_kept, outside = _Rows.apply(*src, kept_from, ids, ignored, sampling, part, chunk_size, True, False)
     return lp, log_kept, outside
@@ -632,16 +635,18 @@ class _Rows(torch.autograd.Function):
         truncated = sampling.truncates or support is not None
         rows = src.chunk_rows(chunk_size, tiled=not truncated)
         col = owned = None
+        k = 1 if ids is None or ids.dim() == 1 else ids.shape[1]  # ids [n], or k ids per row [n, k]
         if want_lp:
             assert ids is not None
-            col = ids - part.offset
+            col = ids.view(n, k) - part.offset
             owned = (col >= 0) & (col < src.vocab)
             if ignored is not None:
-                owned &= ~ignored
-            col = col.clamp_(0, max(src.vocab - 1, 0)).unsqueeze(1)
+                owned &= ~ignored.unsqueeze(1)
+            col = col.clamp_(0, max(src.vocab - 1, 0))
         stats = torch.zeros((5, n), dtype=dtype, device=device)
         stats[:_ZY].fill_(_NINF)  # an empty shard holds no mass
-        outside = torch.zeros(n, dtype=torch.bool, device=device)
+        zy = torch.zeros((n, k), dtype=dtype, device=device)  # the targets' logits
+        outside = torch.zeros((n, k), dtype=torch.bool, device=device)
         threshold = torch.zeros(n if truncated else 0, dtype=dtype, device=device)
 
         def whole(pos: slice, idx: slice | Tensor, state: dict[str, Tensor]) -> None:
@@ -651,10 +656,10 @@ class _Rows(torch.autograd.Function):
             for k, cols in enumerate(tiles):
                 chunk, fresh = src.read(idx, cols)
                 if want_lp and one:
-                    stats[_ZY, pos] = chunk.gather(1, col[pos]).squeeze(1)  # type: ignore[index]
+                    zy[pos] = chunk.gather(1, col[pos])  # type: ignore[index]
                 elif want_lp:  # each id lies in one tile, which gives its logit; the others add 0
                     here, c = _in_tile(col[pos], cols)  # type: ignore[index]
-                    stats[_ZY, pos] += torch.where(here, chunk.gather(1, c).squeeze(1).to(dtype), 0)
+                    zy[pos] += torch.where(here, chunk.gather(1, c).to(dtype), 0)
                 if temp == 1.0 and not want_ent:  # no shifted copy (the entropy needs e itself)
                     e = _softmax_input(chunk, fresh, dtype, temp, state, "e")
                     m = e.amax(dim=-1, keepdim=True)
@@ -680,8 +685,8 @@ class _Rows(torch.autograd.Function):
             z = src.scores(idx, dtype, 1.0)  # fresh logits in the compute dtype
             removed = process_scores(z / temp if support is None else support.scores(idx, dtype, temp), sampling) == _NINF
             if want_lp:
-                stats[_ZY, pos] = z.gather(1, col[pos]).squeeze(1)  # type: ignore[index]
-                outside[pos] = removed.gather(1, col[pos]).squeeze(1)  # type: ignore[index]
+                zy[pos] = z.gather(1, col[pos])  # type: ignore[index]
+                outside[pos] = removed.gather(1, col[pos])  # type: ignore[index]
             # the kept set as a threshold on the logits, for the backward: top-k and min-p keep upper sets of
             # z / T, which are upper sets of z (the rounded division is monotone)
             threshold[pos] = torch.where(removed, float("inf"), z).amin(dim=-1)
@@ -710,7 +715,7 @@ class _Rows(torch.autograd.Function):
                 whole(pos, idx, state)
 
         _run(work, srcs, rows, state=True)
-        m, c, zy, spread = stats[_M], stats[_C], stats[_ZY], stats[_A]
+        m, c, spread = stats[_M], stats[_C], stats[_A]
         if ignored is not None:  # NaN logits of ignored rows stay out of the group's max and of the values
             m.masked_fill_(ignored, 0)
             c.masked_fill_(ignored, 0)
@@ -725,34 +730,37 @@ class _Rows(torch.autograd.Function):
             zy = torch.where(owned, zy, 0)
             if part.split:
                 packed = part.reduce(torch.stack([zy, owned.to(dtype)]), _SUM)
-                zy, owners = packed[0], packed[1] if ignored is None else packed[1].masked_fill(ignored, 1)
+                zy, owners = packed[0], packed[1] if ignored is None else packed[1].masked_fill(ignored.unsqueeze(1), 1)
                 unowned = owners != 1
                 check_values(
                     unowned,
                     lambda: ValueError(
-                        f"token id {int(ids[unowned][0])} is owned by {int(owners[unowned][0])} vocabulary shards, not 1: ids "
+                        f"token id {int(ids.view(n, k)[unowned][0])} is owned by {int(owners[unowned][0])} vocabulary shards, not 1: ids "
                         "must lie in [0, V) of the split vocabulary (or be `ignore_index`), and the shards' offsets must tile it."
                     ),
                     "every token id must be owned by exactly one vocabulary shard: ids in [0, V) (or ignore_index), shards that tile [0, V)",
                 )
-            out = zy - _finite(m)
+            out = zy - _finite(m).unsqueeze(1)
             if temp != 1.0:
                 out.div_(temp)
-            out.sub_(c)
-        ent = c + spread if want_ent else torch.zeros_like(out)
-        log_kept = (stats[_C] - stats[_CALL]) if truncated else torch.zeros_like(out)
+            out.sub_(c.unsqueeze(1))
+        else:
+            out = torch.zeros((n, k), dtype=dtype, device=device)
+        ent = c + spread if want_ent else torch.zeros_like(c)
+        log_kept = (stats[_C] - stats[_CALL]) if truncated else torch.zeros_like(c)
         if ignored is not None:
-            out.masked_fill_(ignored, 0)
+            out.masked_fill_(ignored.unsqueeze(1), 0)
             ent.masked_fill_(ignored, 0)
             log_kept.masked_fill_(ignored, 0)
-            outside.masked_fill_(ignored, False)
+            outside.masked_fill_(ignored.unsqueeze(1), False)
         out.masked_fill_(outside, _NINF)
         ctx.save_for_backward(x, weight, bias, kept_from)
         ctx.saved = (col, owned, ignored, outside, m, c, spread, threshold)
         ctx.sampling, ctx.part, ctx.rows, ctx.truncated, ctx.want = sampling, part, rows, truncated, (want_lp, want_ent)
         ctx.head = head
         lead = src.lead
-        out, ent, log_kept, outside = out.view(lead), ent.view(lead), log_kept.view(lead), outside.view(lead)
+        per = lead if ids is None or ids.dim() == 1 else (*lead, k)
+        out, ent, log_kept, outside = out.view(per), ent.view(lead), log_kept.view(lead), outside.view(per)
         ctx.mark_non_differentiable(*(t for t, wanted in ((out, want_lp), (ent, want_ent), (log_kept, False), (outside, False)) if not wanted))
         return out, ent, log_kept, outside
 
@@ -779,11 +787,11 @@ class _Rows(torch.autograd.Function):
         a, b, hit = torch.zeros_like(c), None, None
         if lp_grad:
             assert g_lp is not None
-            gl = g_lp.reshape(-1).to(dtype).masked_fill(outside, 0)
+            gl = g_lp.reshape(outside.shape).to(dtype).masked_fill(outside, 0)  # [n, k]
             if ignored is not None:
-                gl = gl.masked_fill(ignored, 0)
-            hit = torch.where(owned, gl * (1.0 / temp), 0).unsqueeze(1)
-            a = -gl
+                gl = gl.masked_fill(ignored.unsqueeze(1), 0)
+            hit = torch.where(owned, gl * (1.0 / temp), 0)
+            a = -gl.sum(1) if gl.shape[1] > 1 else -gl.squeeze(1)
         if ent_grad:
             assert g_ent is not None
             gh = g_ent.reshape(-1).to(dtype)
@@ -843,7 +851,7 @@ class _Rows(torch.autograd.Function):
                     g.scatter_add_(1, col[pos], hit[pos])
                 elif hit is not None:
                     here, cc = _in_tile(col[pos], cols)
-                    g.scatter_add_(1, cc, torch.where(here.unsqueeze(1), hit[pos], 0))
+                    g.scatter_add_(1, cc, torch.where(here, hit[pos], 0))
                 writer.put(pos, idx, _zero_invalid(g, ignored, pos), cols)
                 del e, g
 
