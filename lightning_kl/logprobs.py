@@ -37,6 +37,7 @@ from lightning_kl.ground.checks import (
 from lightning_kl.inputs import check_chunk_size, check_full_hidden_inputs, check_full_inputs, check_head, check_logit_transform, check_tokens
 from lightning_kl.ground.sampler import Sampling
 from lightning_kl.ground.vocab_shards import VocabShard, is_vocab_parallel
+from lightning_kl.kernels.divergence import Divergence, check_divergence
 from lightning_kl.kernels.engine import REFERENCES, Head, Partition, Tensors, entropy_kernel, full_kl_kernel, token_logprobs_kernel
 from lightning_kl.kernels.engine import token_logprobs_entropy_kernel
 from lightning_kl.kernels.full import head_source, logits_source, same_partition
@@ -371,6 +372,8 @@ def full_kl(
     *,
     sampling: Optional[Sampling] = None,
     reference: str = "unprocessed",
+    divergence: Divergence = "reverse",
+    beta: Optional[float] = None,
     chunk_size: Optional[int] = None,
     **legacy: Any,
 ) -> Tensor:
@@ -428,6 +431,7 @@ def full_kl(
     proc = _sampling(sampling, legacy, "full_kl")
     if reference not in REFERENCES:
         raise ValueError(f"`reference` must be one of {REFERENCES}, got {reference!r}.")
+    divergence, beta = check_divergence(divergence, beta)
     check_chunk_size(chunk_size)
     hidden = isinstance(x, FromHidden), isinstance(ref_x, FromHidden)
     if hidden[0] != hidden[1]:
@@ -438,7 +442,7 @@ def full_kl(
         mask = check_full_inputs(x, ref_x, mask)
     (src, part, _), (ref, ref_part, _) = _source(x, "x" if hidden[0] else "logits", proc), _source(ref_x, "ref_x" if hidden[0] else "ref_logits", proc)
     part = same_partition(part, "weight" if hidden[0] else "logits", ref_part, "ref_weight" if hidden[0] else "ref_logits")
-    return full_kl_kernel(src, ref, None if mask is None else ~mask.reshape(-1), proc, reference, part, chunk_size)
+    return full_kl_kernel(src, ref, None if mask is None else ~mask.reshape(-1), proc, reference, part, chunk_size, divergence, beta)
 
 
 # ---------------------------------------------------------------------------------------------
