@@ -1042,7 +1042,8 @@ class _FullKL(torch.autograd.Function):
         whole = not sampling.truncates and not tiled and part.ranks == 1
         # the JSD's interior over parts: the terms in a second read, from the global log-sums
         again = div.weights is None and (tiled or part.ranks > 1)
-        stats = torch.zeros((6, src.n), dtype=dtype, device=src.device)
+        width = _KL + (1 if div.reverse else 2)  # the statistics' rows: the reverse KL needs no s2
+        stats = torch.zeros((width, src.n), dtype=dtype, device=src.device)
         stats[:_KL].fill_(_NINF)  # an empty shard holds no mass
 
         def work(item: tuple[slice, slice | Tensor], state: Any) -> None:
@@ -1062,7 +1063,7 @@ class _FullKL(torch.autograd.Function):
                     stats[_KL2, pos] = s2.add_(carry)
                 return
             tiles = src.tiles(pos.stop - pos.start, tiled)
-            parts = torch.zeros((len(tiles), 6, pos.stop - pos.start), dtype=dtype, device=src.device)
+            parts = torch.zeros((len(tiles), width, pos.stop - pos.start), dtype=dtype, device=src.device)
             for k, cols in enumerate(tiles):
                 ep, eq, mp, mq = _kl_shifted(src, ref, idx, dtype, sampling, reference, cols, state)
                 u = torch.exp(ep, out=_scratch(state, ep.shape, dtype, src.device, "u"))
@@ -1096,7 +1097,7 @@ class _FullKL(torch.autograd.Function):
 
         _run(work, (src, ref), rows, state=True)
         local = stats[:_KL] if invalid is None else stats[:_KL].masked_fill(invalid, 0)  # NaN padding stays out
-        kl, kl2 = stats[_KL], stats[_KL2]
+        kl, kl2 = stats[_KL], stats[-1]
         if part.ranks > 1:
             mp, cp, _, lwp = part.merge(local[_MP], local[_CP], temp)
             mq, cq, _, lwq = part.merge(local[_MQ], local[_CQ], temp)
