@@ -327,3 +327,35 @@ def test_yaml_builds_each_divergence_and_refuses_a_bad_one_with_the_valid_names(
         _cli(tmp_path, monkeypatch, {"divergence": "fkl"})
     with pytest.raises(ValueError, match=r"`beta` must be a number in \[0, 1\]"):
         _cli(tmp_path, monkeypatch, {"divergence": "mixed", "beta": 2.0})
+
+
+# ---------------------------------------------------------------------------------------------
+# a vocabulary split over 2 processes (gloo): tests/_divergence_parallel_worker.py
+
+
+def test_a_vocabulary_split_over_two_processes_gives_the_one_process_values_and_gradients(tmp_path) -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    worker = Path(__file__).resolve().parent / "_divergence_parallel_worker.py"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(root)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    try:
+        proc = subprocess.run([sys.executable, str(worker), str(tmp_path)], env=env, capture_output=True, text=True, timeout=240)
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"the 2-process run did not finish in {err.timeout} s:\n{err.stderr}")
+    errors = {}
+    for rank in range(2):
+        path = tmp_path / f"rank{rank}.json"
+        assert proc.returncode == 0 and path.exists(), f"worker failed (exit {proc.returncode}):\n{proc.stderr[-6000:]}"
+        record = json.loads(path.read_text())
+        assert "failure" not in record, record["failure"]
+        errors.update({f"rank{rank}:{k}": v for k, v in record["errors"].items()})
+    # 3 divergences x 2 (temperature, chunk) x (3 DTensor + 3 empty shard + 6 head) checks, on each rank
+    assert len(errors) == 2 * 3 * 2 * 12
+    bad = {k: v for k, v in errors.items() if not v <= 1e-12}
+    assert not bad, bad
