@@ -47,11 +47,14 @@ def check_max_weight(max_weight: object) -> Optional[float]:
     return float(max_weight)
 
 
-def full_kl_values(x: Any, ref_x: Any, mask: Optional[Tensor], sampling: Sampling) -> Tensor:
+def full_kl_values(
+    x: Any, ref_x: Any, mask: Optional[Tensor], sampling: Sampling, divergence: tuple[str, Optional[float]] = ("reverse", None)
+) -> Tensor:
     r"""The exact per-position KL of checked inputs: the one place where ``"full"`` reaches the kernels.
 
     :math:`\mathrm{KL}(\tilde\pi \,\|\, \pi_{\mathrm{ref}})`, the policy processed by ``sampling`` and the
-    reference at the same temperature, unprocessed (``lk.full_kl``'s ``reference="unprocessed"``).
+    reference at the same temperature, unprocessed (``lk.full_kl``'s ``reference="unprocessed"``); or
+    another divergence, a checked ``(divergence, beta)`` (:mod:`lightning_kl.kernels.divergence`).
     ``x`` and ``ref_x``: logits (a tensor, a vocabulary-split DTensor or an ``lk.VocabShard``) or one
     :class:`~lightning_kl.FromHidden` each; ``mask`` bool or None.
     A truncating sampler on a vocabulary split was refused by the checks (:mod:`lightning_kl.inputs`).
@@ -59,9 +62,9 @@ def full_kl_values(x: Any, ref_x: Any, mask: Optional[Tensor], sampling: Samplin
     if isinstance(x, FromHidden):
         return full_kl_from_hidden_compute(
             x.hidden, x.weight, x.bias, ref_x.hidden, ref_x.weight, ref_x.bias, mask, sampling,
-            head=Head(x.logit_scale, x.softcap), ref_head=Head(ref_x.logit_scale, ref_x.softcap),
+            head=Head(x.logit_scale, x.softcap), ref_head=Head(ref_x.logit_scale, ref_x.softcap), divergence=divergence,
         )
-    return full_kl_compute(x, ref_x, mask, sampling)
+    return full_kl_compute(x, ref_x, mask, sampling, divergence=divergence)
 
 
 def kl_penalty_values(
@@ -71,11 +74,13 @@ def kl_penalty_values(
     level: str = "token",
     kl_to_go: str = "k1",
     sampling: Optional[Sampling] = None,
+    divergence: tuple[str, Optional[float]] = ("reverse", None),
 ) -> Tensor:
     """Per-token values of checked inputs (:func:`~lightning_kl.inputs.check_kl_inputs`), in the compute dtype:
-    the compute step of :func:`~lightning_kl.kl_penalty` and :class:`~lightning_kl.KLPenaltyLoss` alike."""
+    the compute step of :func:`~lightning_kl.kl_penalty` and :class:`~lightning_kl.KLPenaltyLoss` alike
+    (``divergence``: a checked ``(divergence, beta)`` for ``"full"``, at ``level="token"``)."""
     if spec.base == "full":
-        kl = full_kl_values(inputs.logprob, inputs.ref_logprob, inputs.mask, _NEUTRAL if sampling is None else sampling)
+        kl = full_kl_values(inputs.logprob, inputs.ref_logprob, inputs.mask, _NEUTRAL if sampling is None else sampling, divergence)
         if inputs.sampled_logprob is not None:
             kl = full_with_kl_to_go(kl, inputs.sampled_logprob, inputs.mask)
         return kl

@@ -37,6 +37,7 @@ from lightning_kl.ground.checks import (
 from lightning_kl.inputs import check_chunk_size, check_full_hidden_inputs, check_full_inputs, check_head, check_logit_transform, check_tokens
 from lightning_kl.ground.sampler import Sampling
 from lightning_kl.ground.vocab_shards import VocabShard, is_vocab_parallel
+from lightning_kl.kernels.divergence import Divergence, check_divergence
 from lightning_kl.kernels.engine import REFERENCES, Head, Partition, Tensors, entropy_kernel, full_kl_kernel, token_logprobs_kernel
 from lightning_kl.kernels.engine import token_logprobs_entropy_kernel
 from lightning_kl.kernels.full import head_source, logits_source, same_partition
@@ -371,10 +372,12 @@ def full_kl(
     *,
     sampling: Optional[Sampling] = None,
     reference: str = "unprocessed",
+    divergence: Divergence = "reverse",
+    beta: Optional[float] = None,
     chunk_size: Optional[int] = None,
     **legacy: Any,
 ) -> Tensor:
-    r"""Exact per-token :math:`\mathrm{KL}(\tilde\pi \,\|\, \pi_{\mathrm{ref}})` over the vocabulary.
+    r"""Exact per-token :math:`\mathrm{KL}(\tilde\pi \,\|\, \pi_{\mathrm{ref}})` over the vocabulary, or another divergence.
 
     .. math::
         \mathrm{KL} = \sum_{i \in K} \tilde p_i (\log \tilde p_i - \log q_i)
@@ -389,9 +392,47 @@ def full_kl(
     * ``"processed"``: the reference processed by the same rule on its own logits. ``+inf`` where the
       policy keeps a token the reference removes; a backward through such a token raises.
 
-    No sampling noise; exact gradients w.r.t. both models' inputs (the kept sets are selections):
-    :math:`\tilde p_i (\log \tilde p_i - \log q_i - \mathrm{KL}) / T` and :math:`(q_i - \tilde p_i) / T`.
-    Chunked: beyond the inputs and their gradients a few chunk-sized temporaries and ``O(n)`` numbers.
+    ``divergence=`` (``beta=`` for the last two, in [0, 1], default 0.5), between :math:`\tilde p` and
+    the other model's :math:`q` (a reference, a teacher), sums over the whole vocabulary with
+    :math:`0 \log 0 = 0`:
+
+    * ``"reverse"`` (default), mode seeking, the KL above:
+
+      .. math::
+          D = \mathrm{KL}(\tilde p \,\|\, q) = \sum_i \tilde p_i (\log \tilde p_i - \log q_i)
+
+    * ``"forward"``, mass covering (on-policy distillation's "forward KL"):
+
+      .. math::
+          D = \mathrm{KL}(q \,\|\, \tilde p) = \sum_i q_i (\log q_i - \log \tilde p_i)
+
+      ``+inf`` where :math:`q` has mass outside :math:`K`: with a truncating sampler take
+      ``reference="policy_kept"`` (or ``"processed"`` where the other model keeps less).
+
+    * ``"jsd"``, the generalized Jensen-Shannon divergence of GKD, TRL's convention (its
+      ``generalized_jsd_loss``): ``beta = 0`` is the forward KL, ``beta = 1`` the reverse KL, and between
+
+      .. math::
+          m = (1 - \beta)\, \tilde p + \beta\, q, \qquad
+          D = \beta\, \mathrm{KL}(q \,\|\, m) + (1 - \beta)\, \mathrm{KL}(\tilde p \,\|\, m)
+
+      finite for :math:`0 < \beta < 1`, at most :math:`\log 2` at ``beta = 0.5``.
+
+    * ``"mixed"``, NeMo-RL's ``mixed_kl_weight`` :math:`w` (which weighs the forward KL) as
+      :math:`\beta = 1 - w`, the same ends as ``"jsd"``:
+
+      .. math::
+          D = (1 - \beta)\, \mathrm{KL}(q \,\|\, \tilde p) + \beta\, \mathrm{KL}(\tilde p \,\|\, q)
+
+    No sampling noise; exact gradients w.r.t. both models' inputs (the kept sets are selections), for
+    the reverse KL :math:`\tilde p_i (\log \tilde p_i - \log q_i - \mathrm{KL}) / T` and :math:`(q_i - \tilde p_i) / T`;
+    for the others :math:`(g_i - \tilde p_i \sum_j g_j) / T` with :math:`g = \partial D / \partial \log \tilde p`
+    (forward: :math:`(\tilde p_i - q_i) / T`), and the other side's the same with the roles swapped. The
+    other side requires no gradient unless it is meant to train: one that does gets its exact gradient,
+    with the warning that it requires grad. Chunked, one engine for every divergence: beyond the
+    inputs and their gradients a few chunk-sized temporaries and ``O(n)`` numbers. The JSD strictly
+    between its ends reads a head's vocabulary tiles, or a split vocabulary's shards, twice in forward
+    (its mixture needs both models' global log-sums first).
 
     Args:
         x, ref_x: the policy's and the reference's ``[..., V]`` logits, both split over the vocabulary
@@ -401,6 +442,8 @@ def full_kl(
             where the inputs hold NaN.
         sampling: the policy's sampler (None: ``softmax(z)``); truncation refused on a split vocabulary.
         reference: one of :data:`REFERENCES`.
+        divergence: one of :data:`~lightning_kl.kernels.divergence.DIVERGENCES` (above).
+        beta: ``"jsd"`` and ``"mixed"`` only: a number in [0, 1], default 0.5.
         chunk_size: rows per chunk.
 
     ``ref_x`` may be a teacher's top-k log-probs, :class:`~lightning_kl.TopK`: the divergence between both
@@ -414,8 +457,8 @@ def full_kl(
 
     Raises:
         TypeError: for inputs that are not floating point tensors, a mix of forms (named).
-        ValueError: for shapes or devices that do not match (named), a bad reference, sampler or chunk
-            size; in backward, for a ``+inf`` KL (``"processed"``) with a gradient.
+        ValueError: for shapes or devices that do not match (named), a bad reference, divergence, beta,
+            sampler or chunk size (the valid values named); in backward, for a ``+inf`` value with a gradient.
 
     Example:
         >>> z = torch.tensor([[0.0, 0.0], [2.0, -1.0]], requires_grad=True)
@@ -428,6 +471,8 @@ def full_kl(
                 [ 0.0000,  0.0000]])
         >>> full_kl(torch.tensor([[2.0, 1.0, 0.0]]), torch.tensor([[0.0, 1.0, 2.0]]), sampling=Sampling(top_k=2), reference="processed")
         tensor([inf])
+        >>> full_kl(z.detach(), ref, divergence="forward")  # row 0: 0.8808 log(0.8808/0.5) + 0.1192 log(0.1192/0.5)
+        tensor([0.3278, 0.0000])
     """
     from lightning_kl.distill.topk import TopK, topk_divergence  # (that module imports this one)
 
@@ -436,6 +481,7 @@ def full_kl(
     proc = _sampling(sampling, legacy, "full_kl")
     if reference not in REFERENCES:
         raise ValueError(f"`reference` must be one of {REFERENCES}, got {reference!r}.")
+    divergence, beta = check_divergence(divergence, beta)
     check_chunk_size(chunk_size)
     hidden = isinstance(x, FromHidden), isinstance(ref_x, FromHidden)
     if hidden[0] != hidden[1]:
@@ -446,7 +492,7 @@ def full_kl(
         mask = check_full_inputs(x, ref_x, mask)
     (src, part, _), (ref, ref_part, _) = _source(x, "x" if hidden[0] else "logits", proc), _source(ref_x, "ref_x" if hidden[0] else "ref_logits", proc)
     part = same_partition(part, "weight" if hidden[0] else "logits", ref_part, "ref_weight" if hidden[0] else "ref_logits")
-    return full_kl_kernel(src, ref, None if mask is None else ~mask.reshape(-1), proc, reference, part, chunk_size)
+    return full_kl_kernel(src, ref, None if mask is None else ~mask.reshape(-1), proc, reference, part, chunk_size, divergence, beta)
 
 
 # ---------------------------------------------------------------------------------------------

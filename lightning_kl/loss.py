@@ -17,6 +17,7 @@ from lightning_kl.ground.checks import warn_user
 from lightning_kl.ground.parallel import check_parallel_args, collective_device, data_parallel_group, sum_or_refuse
 from lightning_kl.ground.sampler import Sampling
 from lightning_kl.inputs import check_kl_inputs, resolve_sampling
+from lightning_kl.kernels.divergence import Divergence, check_divergence, kl_weights
 from lightning_kl.logprobs import FromHidden
 from lightning_kl.metric import KLMetric
 from lightning_kl.reduce import COUNT_OF_MODE, AggMode, check_agg_mode, controlled_kl_statistics, reduce_kl
@@ -101,6 +102,17 @@ class KLPenaltyLoss(ControllerState):
             fixed. ``full`` then needs ``sampled_logprob`` in forward: the policy's log-prob of the sampled
             token under the *processed* distribution of ``sampling`` (the score of what the sampler
             drew). See :mod:`lightning_kl.sequence`.
+        divergence, beta: ``estimator="full"`` at ``level="token"`` only: which divergence between the
+            policy and the other model (the reference, a teacher) each token gets, one of
+            :data:`~lightning_kl.kernels.divergence.DIVERGENCES`: ``"reverse"`` (default)
+            :math:`\mathrm{KL}(\tilde\pi \,\|\, \pi_{\mathrm{ref}})`, ``"forward"``
+            :math:`\mathrm{KL}(\pi_{\mathrm{ref}} \,\|\, \tilde\pi)`, ``"jsd"`` (TRL's generalized JSD) and
+            ``"mixed"`` with ``beta`` in [0, 1] (default 0.5; 0 the forward KL, 1 the reverse KL), as
+            :func:`~lightning_kl.full_kl` computes them (there: the formulas). The metric and a controller
+            then see that divergence. Any other value, a ``beta`` for the two KLs, a direction other
+            than ``"reverse"`` with a sampled estimator or at ``level="sequence"``, or one that holds the
+            forward KL (``"forward"``, ``"mixed"`` with ``beta < 1``, ``"jsd"`` at ``beta = 0``) with a
+            truncating ``sampling`` (``+inf`` at every token: the reference is unprocessed) is refused here.
         kl_to_go: sampled estimators at ``level="sequence"``: ``"k1"`` (default, the sum of the later
             log-ratios) or ``"k3"`` (the sum of their ``k3`` values: the same expectation, less noise).
         process_group: the data parallel ``ProcessGroup`` (for ``global_batch`` and :attr:`metric`), for
@@ -164,8 +176,8 @@ class KLPenaltyLoss(ControllerState):
     the module's ``state_dict`` (``kl._extra_state``), so a Lightning checkpoint restores it exactly.
 
     Raises:
-        ValueError: at construction, for an unknown estimator, mode or level, a bad ``coef`` or
-            ``max_weight``, or a mode that does not fit ``level="sequence"``; in forward,
+        ValueError: at construction, for an unknown estimator, mode, level or divergence, a bad ``coef``,
+            ``max_weight`` or ``beta``, or a mode or divergence that does not fit ``level="sequence"``; in forward,
             for shapes that do not match (both are named).
 
     Example:
@@ -197,6 +209,8 @@ class KLPenaltyLoss(ControllerState):
         process_group: Any = None,
         device_mesh: Any = None,
         sampling: Optional[Sampling] = None,
+        divergence: Divergence = "reverse",
+        beta: Optional[float] = None,
     ) -> None:
         super().__init__()
         check_parallel_args(process_group, device_mesh)
@@ -225,6 +239,27 @@ class KLPenaltyLoss(ControllerState):
                     rank_zero=True,
                 )
         self.kl_to_go = check_kl_to_go(kl_to_go, self.level, self.spec.base == "full")
+        self.divergence, self.beta = check_divergence(divergence, beta)
+        if self.divergence != "reverse" and self.spec.base != "full":
+            raise ValueError(
+                f"divergence={self.divergence!r} needs estimator='full' (both models' logits or lk.FromHidden): the sampled "
+                f"estimators ({self.spec.name!r}) estimate the reverse KL from the policy's own samples. Valid with "
+                f"{self.spec.name!r}: divergence='reverse'."
+            )
+        weights = kl_weights(self.divergence, self.beta)
+        if weights is not None and weights[0] > 0 and self.sampling.truncates:
+            raise ValueError(
+                f"divergence={self.divergence!r} with beta={self.beta!r} holds the forward KL KL(ref || policy), +inf at "
+                f"every token under the truncating {self.sampling!r}: the reference (unprocessed) has mass outside the "
+                "policy's kept set. Valid with a truncating sampler: divergence='reverse', or 'jsd' with 0 < beta < 1 "
+                "(finite); or lk.full_kl(..., reference='policy_kept') for the forward KL on the kept set."
+            )
+        if self.divergence != "reverse" and self.level == "sequence":
+            raise ValueError(
+                f"divergence={self.divergence!r} takes level='token' only: the sequence level's KL-to-go term is the score "
+                "function gradient of the responses' reverse KL, under the policy's own samples. Valid at level='sequence': "
+                "divergence='reverse'."
+            )
         self.metric = KLMetric(process_group=process_group, device_mesh=device_mesh)
         self._warned_micro_counts = False
         self._warned_unknown_k = False
@@ -293,7 +328,7 @@ class KLPenaltyLoss(ControllerState):
             # the other processes are on their way to the all-reduce of the global batch's counts: meet them there
             sum_or_refuse(dp, None, str(err), collective_device(logprob, dp), 2, "KLPenaltyLoss")
             raise  # the device form: the others stop on a device assertion
-        kl = kl_penalty_values(inputs, self.spec, self.max_weight, self.level, self.kl_to_go, self.sampling)
+        kl = kl_penalty_values(inputs, self.spec, self.max_weight, self.level, self.kl_to_go, self.sampling, (self.divergence, self.beta))
         k = self._accumulation(inputs)
         given = (inputs.num_tokens, inputs.num_seqs)
         self._warn_if_micro_batch_counts(k, given)
@@ -447,5 +482,7 @@ class KLPenaltyLoss(ControllerState):
             extra += f", level={self.level!r}"
         if self.kl_to_go != "k1":
             extra += f", kl_to_go={self.kl_to_go!r}"
+        if self.divergence != "reverse":
+            extra += f", divergence={self.divergence!r}, beta={self.beta!r}"
         coef = self._coefficient.number if self.controller is None else self.controller
         return f"estimator={self.spec.name!r}, coef={coef!r}, agg={self.agg!r}{extra}"

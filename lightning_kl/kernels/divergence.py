@@ -33,7 +33,7 @@ from typing import Literal, Optional, Union
 import torch
 from torch import Tensor
 
-__all__ = ["DIVERGENCES", "Divergence", "check_divergence", "divergence", "pointwise"]
+__all__ = ["DIVERGENCES", "Divergence", "check_divergence", "divergence", "kl_weights", "pointwise"]
 
 #: The divergences between the policy and the other model (``divergence=``).
 DIVERGENCES: tuple[str, ...] = ("reverse", "forward", "jsd", "mixed")
@@ -77,12 +77,16 @@ def _plogratio(p: Tensor, lp: Tensor, lx: Tensor) -> Tensor:
     return torch.where(has, p * (torch.where(has, lp, zero) - torch.where(has, lx, zero)), zero)
 
 
-def _kl_ends(divergence: str, beta: Optional[float]) -> tuple[float, float]:
-    # (weight of the forward KL, weight of the reverse KL) for the divergences that are a mix of the two KLs
+def kl_weights(divergence: str, beta: Optional[float]) -> Optional[tuple[float, float]]:
+    """``(weight of the forward KL, weight of the reverse KL)`` of a checked divergence that is a mix of the
+    two KLs (``"reverse"``, ``"forward"``, ``"mixed"``, the JSD's ends ``beta`` 0 and 1), or None for the
+    JSD with ``0 < beta < 1``."""
     if divergence == "reverse" or (divergence == "jsd" and beta == 1.0):
         return 0.0, 1.0
     if divergence == "forward" or (divergence == "jsd" and beta == 0.0):
         return 1.0, 0.0
+    if divergence == "jsd":
+        return None
     assert divergence == "mixed" and beta is not None
     return 1.0 - beta, beta
 
@@ -100,7 +104,9 @@ def pointwise(lp: Tensor, lq: Tensor, divergence: str, beta: Optional[float] = N
         lm = torch.logaddexp(lp + math.log1p(-beta), lq + math.log(beta))
         f = beta * _plogratio(q, lq, lm) + (1.0 - beta) * _plogratio(p, lp, lm)
         return f, (1.0 - beta) * _plogratio(p, lp, lm)
-    w_fwd, w_rev = _kl_ends(divergence, beta)
+    weights = kl_weights(divergence, beta)
+    assert weights is not None
+    w_fwd, w_rev = weights
     f = torch.zeros((), dtype=p.dtype, device=p.device)
     g = torch.zeros((), dtype=p.dtype, device=p.device)
     if w_fwd:

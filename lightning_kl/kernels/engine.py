@@ -87,6 +87,7 @@ from torch.autograd.function import once_differentiable
 from lightning_kl.ground.checks import check_values, compute_dtype, host_reads
 from lightning_kl.ground.chunks import run_chunks
 from lightning_kl.ground.sampler import Sampling, process_scores
+from lightning_kl.kernels.divergence import check_divergence, kl_weights
 
 __all__ = [
     "CPU_CHUNK_ELEMENTS",
@@ -860,7 +861,7 @@ class _Rows(torch.autograd.Function):
 
 
 # ---------------------------------------------------------------------------------------------
-# the exact KL to a second source
+# the exact divergence to a second source
 
 
 def full_kl_kernel(
@@ -871,8 +872,11 @@ def full_kl_kernel(
     reference: str = "unprocessed",
     part: Partition = WHOLE,
     chunk_size: Optional[int] = None,
+    divergence: str = "reverse",
+    beta: Optional[float] = None,
 ) -> Tensor:
-    r"""Per-token :math:`\mathrm{KL}(\tilde p \,\|\, q)` ``[...]`` of two checked sources (one partition).
+    r"""Per-token divergence ``[...]`` between the policy's :math:`\tilde p` and the other model's :math:`q`,
+    two checked sources (one partition): :math:`\mathrm{KL}(\tilde p \,\|\, q)` by default.
 
     ``invalid`` is None or ``[n]`` bool (masked rows: value 0, gradient exactly 0). :math:`\tilde p`
     is the policy's processed distribution; :math:`q` (``reference``, at the same temperature):
@@ -880,9 +884,12 @@ def full_kl_kernel(
     where the policy keeps a token it removes; a backward through such a token raises),
     ``"policy_kept"`` its softmax renormalized on the policy's kept set. Without truncation the three
     are the plain KL of the two softmaxes. An entry with :math:`\tilde p_i = 0` adds nothing
-    (:math:`0 \log 0 = 0`).
+    (:math:`0 \log 0 = 0`). ``divergence``, ``beta``: one of
+    :data:`~lightning_kl.kernels.divergence.DIVERGENCES` (:mod:`lightning_kl.kernels.divergence`: its
+    terms, its ends); a ``+inf`` value of any of them raises in backward when it gets a gradient.
     """
-    return _FullKL.apply(*src, *ref, invalid, sampling, reference, part, chunk_size)
+    name, beta = check_divergence(divergence, beta)
+    return _FullKL.apply(*src, *ref, invalid, sampling, reference, part, chunk_size, (name, beta))
 
 
 def _kl_shifted(
@@ -921,14 +928,99 @@ def _kl_shifted(
     return ep, eq, mp, mq
 
 
-# the rows of _FullKL's per-row statistics: each model's shift and log-sum, the KL
-_MP, _CP, _MQ, _CQ, _KL = range(5)
+class _Div(NamedTuple):
+    r"""A checked divergence as the engine sums it, from two row sums :math:`s_1, s_2`: a mix of the two
+    KLs (``weights`` = (forward, reverse), ``beta`` None), :math:`s_1 = \mathrm{KL}(p \,\|\, q)`,
+    :math:`s_2 = \mathrm{KL}(q \,\|\, p)`, :math:`D = w_r s_1 + w_f s_2`; or the JSD's interior
+    (``weights`` None), :math:`s_1 = \mathrm{KL}(p \,\|\, m)`, :math:`s_2 = \mathrm{KL}(q \,\|\, m)`,
+    :math:`D = (1 - \beta) s_1 + \beta s_2`. The gradients w.r.t. each side's logits then need no
+    other row number (:meth:`_FullKL.backward`)."""
+
+    name: str
+    weights: Optional[tuple[float, float]]
+    beta: Optional[float]
+
+    @staticmethod
+    def of(name: str, beta: Optional[float]) -> "_Div":
+        weights = kl_weights(name, beta)
+        return _Div(name, weights, beta if weights is None else None)
+
+    @property
+    def reverse(self) -> bool:
+        """Whether this is :math:`\\mathrm{KL}(p \\,\\|\\, q)` alone (the reverse KL's own paths, bitwise)."""
+        return self.weights == (0.0, 1.0)
+
+    def value(self, s1: Tensor, s2: Tensor) -> Tensor:
+        if self.weights is None:
+            assert self.beta is not None
+            return s1 * (1.0 - self.beta) + s2 * self.beta
+        w_f, w_r = self.weights
+        if not w_f:
+            return s1 if w_r == 1.0 else s1 * w_r
+        if not w_r:
+            return s2 if w_f == 1.0 else s2 * w_f
+        return s1 * w_r + s2 * w_f  # only where both are taken: 0 * inf would be NaN
+
+
+def _log_mix(lp: Tensor, lq: Tensor, beta: float, state: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    r"""``(p, q, log m)`` of normalized log-probs, :math:`m = (1 - \beta) p + \beta q`, each in scratch.
+
+    :math:`m` is clamped below at the smallest normal number, so that a tiny :math:`p > 0` whose share
+    rounds to 0 never meets :math:`\log m = -\infty`; a term :math:`p \log(p / m)` moves by less than
+    that number there, and :math:`m = 0` (both sides without mass) gives 0 terms as :math:`0 \log 0 = 0`."""
+    dtype, dev = lp.dtype, lp.device
+    p = torch.exp(lp, out=_scratch(state, lp.shape, dtype, dev, "u"))
+    q = torch.exp(lq, out=_scratch(state, lq.shape, dtype, dev, "v"))
+    m = torch.mul(p, 1.0 - beta, out=_scratch(state, lp.shape, dtype, dev, "m")).add_(q, alpha=beta)
+    return p, q, m.clamp_min_(torch.finfo(dtype).tiny).log_()
+
+
+def _kl_terms(d: Tensor, u: Optional[Tensor], v: Optional[Tensor], div: "_Div") -> tuple[Optional[Tensor], Optional[Tensor]]:
+    r"""A mix of KLs' row sums :math:`\sum_i u_i d_i` (with a reverse weight) and :math:`-\sum_i v_i d_i`
+    (with a forward weight) of :math:`d = \log p - \log q` (or the shifted scores' difference), ``u``,
+    ``v`` each model's (unnormalized) probabilities; ``d`` and ``u`` are overwritten. An entry
+    ``0 * inf`` counts 0 (:func:`_row_sums`); ``-sum v d`` is ``sum v (log q - log p)``, ``+inf`` where
+    ``v > 0`` meets ``log p = -inf``."""
+    assert div.weights is not None
+    w_f, w_r = div.weights
+    s1 = _row_sums(torch.mul(d, u, out=u)) if w_r else None  # type: ignore[arg-type]
+    s2 = _row_sums(d.mul_(v)).neg_() if w_f else None  # type: ignore[arg-type]
+    return s1, s2
+
+
+def _row_terms(lp: Tensor, lq: Tensor, div: _Div, state: dict[str, Tensor]) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    """The row sums ``(s1, s2)`` of :class:`_Div` (None: not taken) from a chunk's normalized log-probs of
+    both models (whole rows, or a tile of rows with the global log-sums), which are overwritten."""
+    dtype, dev = lp.dtype, lp.device
+    if div.weights is None:
+        assert div.beta is not None
+        p, q, lm = _log_mix(lp, lq, div.beta, state)
+        return _row_sums(lp.sub_(lm).mul_(p)), _row_sums(lq.sub_(lm).mul_(q))
+    w_f, w_r = div.weights
+    u = torch.exp(lp, out=_scratch(state, lp.shape, dtype, dev, "u")) if w_r else None
+    v = torch.exp(lq, out=_scratch(state, lq.shape, dtype, dev, "v")) if w_f else None
+    return _kl_terms(torch.sub(lp, lq, out=lq), u, v, div)
+
+
+# the rows of _FullKL's per-row statistics: each model's shift and log-sum, the row sums s1 and s2 of
+# _Div (the reverse KL: s1 alone)
+_MP, _CP, _MQ, _CQ, _KL, _KL2 = range(6)
 
 
 class _FullKL(torch.autograd.Function):
     r"""Per row, with the shifted scores :math:`e^p, e^q` and log-sums :math:`c_p, c_q` of both models
     (as in :class:`_Rows`): :math:`\log \tilde p_i - \log q_i = (e^p_i - e^q_i) - (c_p - c_q)`, summed
-    with the weights :math:`\tilde p_i = e^{e^p_i} / S_p`."""
+    with the weights :math:`\tilde p_i = e^{e^p_i} / S_p` (the reverse KL; the forward one with
+    :math:`q_i`, both for a mix: :class:`_Div`). Parts (tiles, ranks) merge their KLs with their
+    weights; the JSD's interior, whose :math:`\log m_i` needs both global log-sums, reads the parts
+    again once these are known (a head's tiles, a split vocabulary's shards: two reads in forward).
+
+    Backward, per divergence (:class:`_Div`, the row sums saved), the policy's gradient
+    :math:`(g_i - \tilde p_i \sum_j g_j) / T` with :math:`g = \partial D / \partial \log \tilde p`:
+    :math:`w_r \tilde p_i (\log \tilde p_i - \log q_i - s_1) + w_f (\tilde p_i - q_i)` for a mix of KLs,
+    :math:`(1 - \beta)\, \tilde p_i (\log \tilde p_i - \log m_i - s_1)` for the JSD; the other
+    side's is the same with the roles swapped: :math:`w_f q_i (\log q_i - \log \tilde p_i - s_2) + w_r (q_i - \tilde p_i)`,
+    :math:`\beta\, q_i (\log q_i - \log m_i - s_2)`."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -946,15 +1038,20 @@ class _FullKL(torch.autograd.Function):
         reference: str,
         part: Partition,
         chunk_size: Optional[int],
+        divergence: tuple[str, Optional[float]] = ("reverse", None),
     ) -> Tensor:
         src, ref = Source(Tensors(x, weight, bias, head)), Source(Tensors(rx, rweight, rbias, rhead))
         dtype, temp = compute_dtype(x, rx), sampling.temperature
+        div = _Div.of(*divergence)
         tiled = not sampling.truncates and weight is not None and rweight is not None  # two heads: tiles of both
         rows = src.chunk_rows(chunk_size, tiled, models=2)
         # whole rows of one partition: each model's normalized log-probs from one fused read (:func:`_log_probs`);
         # tiles and ranks need each part's shift and log-sum to merge
         whole = not sampling.truncates and not tiled and part.ranks == 1
-        stats = torch.zeros((5, src.n), dtype=dtype, device=src.device)
+        # the JSD's interior over parts: the terms in a second read, from the global log-sums
+        again = div.weights is None and (tiled or part.ranks > 1)
+        width = _KL + (1 if div.reverse else 2)  # the statistics' rows: the reverse KL needs no s2
+        stats = torch.zeros((width, src.n), dtype=dtype, device=src.device)
         stats[:_KL].fill_(_NINF)  # an empty shard holds no mass
 
         def work(item: tuple[slice, slice | Tensor], state: Any) -> None:
@@ -963,68 +1060,108 @@ class _FullKL(torch.autograd.Function):
                 logp, logq = _log_probs(src, idx, dtype, temp, state, "p"), _log_probs(ref, idx, dtype, temp, state, "q")
                 # NaN or +inf among a row's logits makes its log_softmax wholly NaN: one entry per model carries it
                 carry = torch.exp(logp[:, 0]).add_(torch.exp(logq[:, 0])).mul_(0)
-                d = torch.sub(logp, logq, out=logq)
-                stats[_KL, pos] = _row_sums(d.mul_(logp.exp_())).add_(carry)
+                if div.reverse:
+                    d = torch.sub(logp, logq, out=logq)
+                    stats[_KL, pos] = _row_sums(d.mul_(logp.exp_())).add_(carry)
+                    return
+                s1, s2 = _row_terms(logp, logq, div, state)
+                if s1 is not None:
+                    stats[_KL, pos] = s1.add_(carry)
+                if s2 is not None:
+                    stats[_KL2, pos] = s2.add_(carry)
                 return
             tiles = src.tiles(pos.stop - pos.start, tiled)
-            parts = torch.empty((len(tiles), 5, pos.stop - pos.start), dtype=dtype, device=src.device)
+            parts = torch.zeros((len(tiles), width, pos.stop - pos.start), dtype=dtype, device=src.device)
             for k, cols in enumerate(tiles):
                 ep, eq, mp, mq = _kl_shifted(src, ref, idx, dtype, sampling, reference, cols, state)
                 u = torch.exp(ep, out=_scratch(state, ep.shape, dtype, src.device, "u"))
                 sp = u.sum(dim=-1)
-                sq = torch.exp(eq, out=_scratch(state, eq.shape, dtype, src.device, "v")).sum(dim=-1)
+                v = torch.exp(eq, out=_scratch(state, eq.shape, dtype, src.device, "v"))
+                sq = v.sum(dim=-1)
                 parts[k, _MP], parts[k, _CP], parts[k, _MQ], parts[k, _CQ] = mp.squeeze(1), sp.log(), mq.squeeze(1), sq.log()
-                # sum_i p_i (e^p_i - e^q_i) + (c_q - c_p); p > 0 = q gives +inf; NaN inputs reach the row through sp
-                cross = _row_sums(torch.sub(ep, eq, out=eq).mul_(u)).div_(sp)
-                parts[k, _KL] = cross + (parts[k, _CQ] - parts[k, _CP])
-                del ep, eq, u
+                if div.reverse:
+                    # sum_i p_i (e^p_i - e^q_i) + (c_q - c_p); p > 0 = q gives +inf; NaN inputs reach the row through sp
+                    cross = _row_sums(torch.sub(ep, eq, out=eq).mul_(u)).div_(sp)
+                    parts[k, _KL] = cross + (parts[k, _CQ] - parts[k, _CP])
+                elif div.weights is not None:  # the same for each KL taken: each part's own, merged below
+                    s1, s2 = _kl_terms(torch.sub(ep, eq, out=eq), u, v, div)
+                    if s1 is not None:
+                        parts[k, _KL] = s1.div_(sp) + (parts[k, _CQ] - parts[k, _CP])
+                    if s2 is not None:
+                        parts[k, _KL2] = s2.div_(sq) + (parts[k, _CP] - parts[k, _CQ])
+                elif not again:  # the JSD of whole rows (a sampler's): normalized here
+                    s1, s2 = _row_terms(ep.sub_(parts[k, _CP].unsqueeze(1)), eq.sub_(parts[k, _CQ].unsqueeze(1)), div, state)
+                    parts[k, _KL], parts[k, _KL2] = s1, s2  # NaN inputs reach the row below, through c_p and c_q
+                del ep, eq, u, v
             if len(tiles) == 1:
                 stats[:, pos] = parts[0]
                 return
             stats[_MP, pos], stats[_CP, pos], _, lwp = _merge(parts[:, _MP], parts[:, _CP], temp)  # tiles combine as ranks do
             stats[_MQ, pos], stats[_CQ, pos], _, lwq = _merge(parts[:, _MQ], parts[:, _CQ], temp)
-            stats[_KL, pos] = _weighted(lwp, parts[:, _KL] + lwp - lwq)
+            if div.reverse or (div.weights is not None and div.weights[1]):
+                stats[_KL, pos] = _weighted(lwp, parts[:, _KL] + lwp - lwq)
+            if div.weights is not None and div.weights[0]:
+                stats[_KL2, pos] = _weighted(lwq, parts[:, _KL2] + lwq - lwp)
 
         _run(work, (src, ref), rows, state=True)
         local = stats[:_KL] if invalid is None else stats[:_KL].masked_fill(invalid, 0)  # NaN padding stays out
-        kl = stats[_KL]
+        kl, kl2 = stats[_KL], stats[-1]
         if part.ranks > 1:
             mp, cp, _, lwp = part.merge(local[_MP], local[_CP], temp)
             mq, cq, _, lwq = part.merge(local[_MQ], local[_CQ], temp)
-            kl = part.combine(lwp, kl + lwp - lwq)
+            if div.reverse or (div.weights is not None and div.weights[1]):
+                kl = part.combine(lwp, kl + lwp - lwq)
+            if div.weights is not None and div.weights[0]:
+                kl2 = part.combine(lwq, kl2 + lwq - lwp)
             local = torch.stack([mp, cp, mq, cq])
+        if again:
+            kl, kl2 = _jsd_again(src, ref, local, div, sampling, reference, part, rows, tiled, dtype)
+        if not div.reverse and div.weights is None and not whole:  # NaN inputs reach the JSD's row through c_p, c_q
+            carry = (local[_CP] + local[_CQ]).mul_(0)
+            kl, kl2 = kl + carry, kl2 + carry
+        value = kl if div.reverse else div.value(kl, kl2)
         if invalid is not None:
-            kl = kl.masked_fill(invalid, 0)
+            value = value.masked_fill(invalid, 0)
         ctx.save_for_backward(x, weight, bias, rx, rweight, rbias)
-        ctx.saved = (invalid, local, kl)
+        ctx.saved = (invalid, local, value, kl, kl2)
         ctx.sampling, ctx.reference, ctx.part, ctx.rows, ctx.tiled, ctx.whole = sampling, reference, part, rows, tiled, whole
-        ctx.heads = head, rhead
-        return kl.view(src.lead)
+        ctx.heads, ctx.div = (head, rhead), div
+        return value.view(src.lead)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Optional[Tensor], ...]:
         x, weight, bias, rx, rweight, rbias = ctx.saved_tensors
-        invalid, glob, kl = ctx.saved
-        sampling, reference, temp = ctx.sampling, ctx.reference, ctx.sampling.temperature
+        invalid, glob, value, s1, s2 = ctx.saved
+        sampling, reference, temp, div = ctx.sampling, ctx.reference, ctx.sampling.temperature, ctx.div
         src, ref = Source(Tensors(x, weight, bias, ctx.heads[0])), Source(Tensors(rx, rweight, rbias, ctx.heads[1]))
         dtype = glob.dtype
         g_out = grad_out.reshape(-1).to(dtype)
         if invalid is not None:
             g_out = g_out.masked_fill(invalid, 0)
-        infinite = (kl == float("inf")) & (g_out != 0)
-        why = (
-            "(the policy keeps a token that the reference's processing removes): its gradient does not exist. "
-            "Use reference='policy_kept' or 'unprocessed' to regularize, or mask those tokens"
-        )
+        infinite = (value == float("inf")) & (g_out != 0)
+        if div.reverse:
+            what = "the KL against the reference's own processed distribution"
+            why = (
+                "(the policy keeps a token that the reference's processing removes): its gradient does not exist. "
+                "Use reference='policy_kept' or 'unprocessed' to regularize, or mask those tokens"
+            )
+        else:
+            what = f"the {div.name!r} divergence"
+            why = (
+                "(the other model has mass where the policy has none: with a truncating sampler, its mass outside the "
+                "policy's kept set, unless reference='policy_kept'): its gradient does not exist. Use "
+                "reference='policy_kept', divergence='jsd' (finite for 0 < beta < 1), or mask those tokens"
+            )
         check_values(
             infinite,
-            lambda: ValueError(f"the KL against the reference's own processed distribution is +inf at {int(infinite.sum())} token(s) {why}."),
-            f"the KL against the reference's own processed distribution is +inf {why}",
+            lambda: ValueError(f"{what} is +inf at {int(infinite.sum())} token(s) {why}."),
+            f"{what} is +inf {why}",
         )
         # rows of scale 0 (masked, or a +inf KL without a gradient) get 0; rows with NaN inputs carry it here
-        scale = (g_out / sampling.temperature).masked_fill_(kl.isnan(), float("nan")).unsqueeze(1)
-        kl = kl.unsqueeze(1)
+        scale = (g_out / sampling.temperature).masked_fill_(value.isnan(), float("nan")).unsqueeze(1)
+        kl = value.unsqueeze(1)
+        s1, s2 = s1.unsqueeze(1), s2.unsqueeze(1)
         mp, cp, mq, cq = (t.unsqueeze(1) for t in glob)
         needs = ctx.needs_input_grad
         w_z, w_ref = _writer(src, needs[:3], dtype, invalid), _writer(ref, needs[4:7], dtype, invalid)
@@ -1032,12 +1169,15 @@ class _FullKL(torch.autograd.Function):
         def work(item: tuple[slice, slice | Tensor], state: Any) -> None:
             pos, idx = item
             for cols in src.tiles(pos.stop - pos.start, ctx.tiled):
-                direct = None if w_z is None else w_z.direct(pos, dtype)  # g is made in the gradient's rows
+                direct = None if w_z is None or not div.reverse else w_z.direct(pos, dtype)  # g is made in the gradient's rows
                 if ctx.whole:  # the forward's log-probs again, bitwise
                     logp, logq = _log_probs(src, idx, dtype, temp, state, "p", direct), _log_probs(ref, idx, dtype, temp, state, "q")
                 else:
                     ep, eq, _, _ = _kl_shifted(src, ref, idx, dtype, sampling, reference, cols, state, (mp[pos], mq[pos]), direct)
                     logp, logq = ep.sub_(cp[pos]), eq.sub_(cq[pos])
+                if not div.reverse:
+                    _other_grads(logp, logq, div, s1[pos], s2[pos], scale[pos], w_z, w_ref, pos, idx, cols, state)
+                    continue
                 p = torch.exp(logp, out=_scratch(state, logp.shape, dtype, src.device, "u"))
                 if w_ref is not None:  # (q - p) / T
                     to = w_ref.direct(pos, dtype)
@@ -1050,4 +1190,76 @@ class _FullKL(torch.autograd.Function):
 
         if w_z is not None or w_ref is not None:
             _run(work, (src, ref), ctx.rows, state=True)
-        return (*_grads(w_z, ctx.part), None, *_grads(w_ref, ctx.part), None, None, None, None, None, None)
+        return (*_grads(w_z, ctx.part), None, *_grads(w_ref, ctx.part), None, None, None, None, None, None, None)
+
+
+def _jsd_again(
+    src: Source, ref: Source, glob: Tensor, div: _Div, sampling: Sampling, reference: str, part: Partition, rows: int, tiled: bool,
+    dtype: torch.dtype,
+) -> tuple[Tensor, Tensor]:
+    """The JSD's row sums ``(s1, s2)`` over a head's tiles or a split vocabulary's shards: each part read
+    again, normalized by the global shifts and log-sums ``glob [4, n]`` (``m_p, c_p, m_q, c_q``), its
+    terms summed over the tiles, then over the ranks (a ``SUM``)."""
+    mp, cp, mq, cq = (t.unsqueeze(1) for t in glob)
+    sums = torch.zeros((2, src.n), dtype=dtype, device=src.device)
+
+    def work(item: tuple[slice, slice | Tensor], state: Any) -> None:
+        pos, idx = item
+        for cols in src.tiles(pos.stop - pos.start, tiled):
+            ep, eq, _, _ = _kl_shifted(src, ref, idx, dtype, sampling, reference, cols, state, (mp[pos], mq[pos]))
+            s1, s2 = _row_terms(ep.sub_(cp[pos]), eq.sub_(cq[pos]), div, state)
+            sums[0, pos] += s1  # type: ignore[operator]
+            sums[1, pos] += s2  # type: ignore[operator]
+            del ep, eq
+
+    _run(work, (src, ref), rows, state=True)
+    sums = part.reduce(sums, _SUM)
+    return sums[0], sums[1]
+
+
+def _other_grads(
+    logp: Tensor, logq: Tensor, div: _Div, s1: Tensor, s2: Tensor, scale: Tensor, w_z: Optional[LogitsGrad | HeadGrad],
+    w_ref: Optional[LogitsGrad | HeadGrad], pos: slice, idx: slice | Tensor, cols: slice, state: dict[str, Tensor],
+) -> None:
+    """A chunk's (or tile's) gradients of a divergence other than the reverse KL (:class:`_FullKL`'s forms),
+    from both models' normalized log-probs; each written by its writer, scaled by ``scale [c, 1]``."""
+    dtype, dev = logp.dtype, logp.device
+
+    def target(w: LogitsGrad | HeadGrad, key: str) -> Tensor:
+        to = w.direct(pos, dtype)
+        return _scratch(state, logp.shape, dtype, dev, key) if to is None else to
+
+    if div.weights is None:  # (1 - beta) p (log p - log m - s1), beta q (log q - log m - s2)
+        assert div.beta is not None
+        p, q, lm = _log_mix(logp, logq, div.beta, state)
+        if w_z is not None:
+            g = torch.sub(logp, lm, out=target(w_z, "g")).sub_(s1).mul_(p).mul_(1.0 - div.beta)
+            w_z.put(pos, idx, _scaled(g, scale), cols)
+        if w_ref is not None:
+            g = torch.sub(logq, lm, out=target(w_ref, "h")).sub_(s2).mul_(q).mul_(div.beta)
+            w_ref.put(pos, idx, _scaled(g, scale), cols)
+        return
+    w_f, w_r = div.weights
+    p = torch.exp(logp, out=_scratch(state, logp.shape, dtype, dev, "u"))
+    q = torch.exp(logq, out=_scratch(state, logq.shape, dtype, dev, "v"))
+    if w_z is not None:  # w_r p (log p - log q - s1) + w_f (p - q)
+        g = target(w_z, "g")
+        if w_r:
+            torch.sub(logp, logq, out=g).sub_(s1).mul_(p)
+            if w_r != 1.0:
+                g.mul_(w_r)
+            g.add_(p, alpha=w_f).sub_(q, alpha=w_f)
+        else:
+            torch.sub(p, q, out=g)
+        w_z.put(pos, idx, _scaled(g, scale), cols)
+    if w_ref is not None:  # w_f q (log q - log p - s2) + w_r (q - p)
+        g = target(w_ref, "h")
+        if w_f:
+            torch.sub(logq, logp, out=g).sub_(s2).mul_(q)
+            if w_f != 1.0:
+                g.mul_(w_f)
+            if w_r:
+                g.add_(q, alpha=w_r).sub_(p, alpha=w_r)
+        else:
+            torch.sub(q, p, out=g)
+        w_ref.put(pos, idx, _scaled(g, scale), cols)

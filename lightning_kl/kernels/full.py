@@ -63,19 +63,23 @@ def same_partition(a: Partition, a_name: str, b: Partition, b_name: str) -> Part
     return a
 
 
-def full_kl_compute(logits: Any, ref_logits: Any, mask: Optional[Tensor], sampling: Sampling = Sampling(), chunk_size: Optional[int] = None) -> Tensor:
+def full_kl_compute(
+    logits: Any, ref_logits: Any, mask: Optional[Tensor], sampling: Sampling = Sampling(), chunk_size: Optional[int] = None,
+    divergence: tuple[str, Optional[float]] = ("reverse", None),
+) -> Tensor:
     """The exact KL of the processed policy to the unprocessed reference, from checked logits (or
-    shards; ``mask`` bool or None): the way in of ``kl_penalty("full")`` and the loss."""
+    shards; ``mask`` bool or None): the way in of ``kl_penalty("full")`` and the loss; ``divergence``, a
+    checked ``(divergence, beta)``, another divergence (:mod:`lightning_kl.kernels.divergence`)."""
     (src, part), (ref, ref_part) = logits_source(logits, "logits"), logits_source(ref_logits, "ref_logits")
     part = same_partition(part, "logits", ref_part, "ref_logits")
     invalid = None if mask is None else ~mask.reshape(-1)
-    return full_kl_kernel(src, ref, invalid, sampling, "unprocessed", part, chunk_size)
+    return full_kl_kernel(src, ref, invalid, sampling, "unprocessed", part, chunk_size, *divergence)
 
 
 def full_kl_from_hidden_compute(
     hidden: Tensor, weight: Any, bias: Optional[Tensor], ref_hidden: Tensor, ref_weight: Any, ref_bias: Optional[Tensor],
     mask: Optional[Tensor], sampling: Sampling = Sampling(), chunk_size: Optional[int] = None,
-    head: Head = PLAIN, ref_head: Head = PLAIN,
+    head: Head = PLAIN, ref_head: Head = PLAIN, divergence: tuple[str, Optional[float]] = ("reverse", None),
 ) -> Tensor:
     """:func:`full_kl_compute` of the logits made from checked hidden states and heads (``head``,
     ``ref_head``: each head's logit scale and soft cap)."""
@@ -83,4 +87,4 @@ def full_kl_from_hidden_compute(
     ref, ref_part = head_source(ref_hidden, ref_weight, ref_bias, "ref_weight", ref_head)
     part = same_partition(part, "weight", ref_part, "ref_weight")
     invalid = None if mask is None else ~mask.reshape(-1)
-    return full_kl_kernel(src, ref, invalid, sampling, "unprocessed", part, chunk_size)
+    return full_kl_kernel(src, ref, invalid, sampling, "unprocessed", part, chunk_size, *divergence)
