@@ -422,7 +422,7 @@ class RolloutCorrection(nn.Module):
 
     @classmethod
     def from_verl(cls, cfg: Any, actor: Any = None, **kwargs: Any) -> "RolloutCorrection":
-        """From verl's ``algorithm.rollout_correction`` block (verl 0.9.1), a mapping or an object.
+        r"""From verl's ``algorithm.rollout_correction`` block (verl 0.9.1), a mapping or an object.
 
         ``rollout_is`` (None, ``"token"``, ``"sequence"``) with ``rollout_is_threshold`` (a number:
         TIS at that upper bound; ``"lower_upper"``: IcePop), ``rollout_is_batch_normalize``,
