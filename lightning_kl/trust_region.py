@@ -18,7 +18,8 @@ The bounds are inclusive (a token exactly at :math:`\delta` is kept) and a zero 
 second branch, as verl 0.9.1's ``compute_policy_loss_dppo_tv`` / ``_dppo_kl`` and prime-rl's default
 loss. The binary KL is computed with ``log1p``/``expm1`` (:func:`log1m_exp`), finite where the
 probabilities round to 1 in the dtype; verl adds ``1e-8`` inside its logarithms instead, which
-differs only where :math:`1 - p` is within a few ``1e-8`` of 0.
+differs only where :math:`1 - p` is within a few ``1e-8`` of 0. A NaN log-prob is outside the
+region (every comparison with NaN is False).
 """
 
 from __future__ import annotations

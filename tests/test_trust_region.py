@@ -230,3 +230,13 @@ def test_the_k2_recipe_of_the_docs_equals_prime_rls_default_loss() -> None:
     # the KL term is the k2 estimator: tau * l^2 = 2 tau * k2
     l = (d["lp"] - d["mu"])[d["mask"]]
     assert_close(lk.kl_penalty(d["lp"], d["mu"], "k2", mask=d["mask"])[d["mask"]], 0.5 * l**2)
+
+
+@pytest.mark.parametrize("region", ["binary_tv", "binary_kl"])
+def test_a_nan_log_prob_at_a_valid_token_is_outside_the_region(region: str) -> None:
+    # NaN compares False on both sides: the gate is 0 there (the loss, which reads the log-prob, is NaN)
+    fix = lk.RolloutCorrection(None, trust_region=region, trust_region_threshold=0.1)
+    lp = torch.tensor([[math.nan, -1.0, -1.0]])
+    mu = torch.tensor([[-1.0, -1.0, math.nan]])
+    out = fix(lp, mu, advantages=torch.tensor([[1.0, -1.0, -1.0]]))
+    assert out.weights.tolist() == [[0.0, 1.0, 0.0]]
