@@ -30,6 +30,7 @@ from lightning_kl.mismatch import (
     weight_mean_terms,
     weight_metrics,
 )
+from lightning_kl.trust_region import TRUST_REGIONS, check_trust_threshold, trust_region_keep
 
 __all__ = ["RolloutCorrection", "RolloutCorrectionResult"]
 
@@ -46,6 +47,20 @@ VERL_DEFAULTS: dict[str, Any] = {
     "bypass_mode": False,
     "loss_type": "ppo_clip",
 }
+#: the settings of verl's actor (``actor_rollout_ref.actor``, verl 0.9.1) read by ``from_verl(..., actor=)``,
+#: with the defaults of verl's ``ActorConfig`` / ``PolicyLossConfig``
+VERL_ACTOR_DEFAULTS: dict[str, Any] = {
+    "policy_loss": {"loss_mode": "vanilla"},
+    "clip_ratio": 0.2,
+    "clip_ratio_low": 0.2,
+    "clip_ratio_high": 0.2,
+    "clip_ratio_c": 3.0,
+}
+#: verl 0.9.1's registered policy losses (``core_algos.register_policy_loss``)
+VERL_LOSS_MODES = (
+    "vanilla", "dppo_tv", "dppo_kl", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "dro", "cispo",
+    "bypass_mode",
+)  # fmt: skip
 #: TRL's ``GRPOConfig`` fields read by :meth:`RolloutCorrection.from_trl` (TRL 1.16), with TRL's defaults
 TRL_DEFAULTS: dict[str, Any] = {
     "use_vllm": False,
@@ -71,8 +86,9 @@ class RolloutCorrectionResult:
     """What :class:`RolloutCorrection` returns.
 
     Attributes:
-        weights: ``[..., t]`` the detached importance weights, 0 at padded positions; None when the
-            correction asks for no weights.
+        weights: ``[..., t]`` the detached importance weights, 0 at padded positions, times the trust
+            region's 0/1 gate when one is asked for (``trust_region``; the gate alone when no weight is
+            returned); None when the correction returns neither.
         mask: ``[..., t]`` bool, the response mask after rejection: multiply nothing by it, aggregate
             with it.
         metrics: 0-d tensors: the mismatch diagnostics (:func:`lightning_kl.mismatch_metrics`) and the
@@ -118,6 +134,37 @@ def _read(cfg: Any, defaults: dict[str, Any], who: str, strict: bool) -> dict[st
     return out
 
 
+def _verl_dppo(actor: Any, block: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """The constructor's arguments for verl's DPPO policy loss (``from_verl(..., actor=)``), or None for
+    another loss mode."""
+    a = _read(actor, VERL_ACTOR_DEFAULTS, "verl's actor", strict=False)
+    loss = a["policy_loss"]
+    mode = loss.get("loss_mode", "vanilla") if isinstance(loss, Mapping) else getattr(loss, "loss_mode", "vanilla")
+    mode = _choice("policy_loss.loss_mode", mode, VERL_LOSS_MODES)
+    if mode not in ("dppo_tv", "dppo_kl"):
+        return None
+    if block["bypass_mode"]:
+        raise ValueError(
+            f"loss_mode={mode!r} with bypass_mode=True: verl replaces the loss mode by 'bypass_mode' there "
+            "(rollout_corr_helper.setup_bypass_mode), so no DPPO gate applies; set bypass_mode=False, or drop the "
+            "DPPO loss mode to load the bypass correction."
+        )
+    if block["rollout_is"] is not None or block["rollout_rs"] is not None:
+        raise ValueError(
+            f"loss_mode={mode!r} with rollout_is/rollout_rs: verl multiplies two ratios (the old policy's to the "
+            "sampler's, the current policy's to the old one's), which one correction does not hold: build "
+            "RolloutCorrection.from_verl(block) for the first (called with the old and the sampler's log-probs) and "
+            "RolloutCorrection.from_verl({}, actor=actor) for the second (the current and the old log-probs)."
+        )
+    clip = a["clip_ratio"]
+    low = clip if a["clip_ratio_low"] is None else a["clip_ratio_low"]
+    high = clip if a["clip_ratio_high"] is None else a["clip_ratio_high"]
+    return {
+        "weights": "token", "mode": "truncate", "lower": None, "upper": a["clip_ratio_c"], "bypass": True,
+        "trust_region": "binary_tv" if mode == "dppo_tv" else "binary_kl", "trust_region_threshold": (low, high),
+    }  # fmt: skip
+
+
 class RolloutCorrection(nn.Module):
     r"""Importance weights and a rejection mask for responses sampled by a rollout engine.
 
@@ -140,6 +187,13 @@ class RolloutCorrection(nn.Module):
     * **offpolicy_mask_threshold**: DeepSeek-V3.2's off-policy sequence mask (TRL's
       ``off_policy_mask_threshold``): a sequence with a negative advantage whose mean
       :math:`\log\mu - \log\pi` exceeds it leaves the mask. Needs ``advantages``.
+    * **trust_region** (``trust_region``, ``trust_region_threshold``): DPPO's binary trust region
+      toward the sampler (:mod:`lightning_kl.trust_region`; ``"binary_tv"``: :math:`\pi - \mu`,
+      ``"binary_kl"``: the KL between the two Bernoulli distributions of the token), on the sign of the
+      advantage: a token outside it gets a weight of 0 (it stays in the mask, in the denominator, as
+      a PPO-clipped token: verl's ``dppo_tv`` / ``dppo_kl`` and prime-rl's default loss). Its 0/1 gate
+      multiplies the returned weights, or is the returned weights when there are none. Needs
+      ``advantages``.
     * **bypass**: the engine's log-probs serve as the old log-probs (verl's ``bypass_mode``): the
       result's ``old_logprob`` is ``rollout_logprob``, and ``logprob`` is then the current policy's.
     * **return_weights=False**: the weights are measured (their statistics are in ``.metrics``) but
@@ -167,6 +221,9 @@ class RolloutCorrection(nn.Module):
         rejection_threshold: verl's ``rollout_rs_threshold``: one shared threshold, or one per option;
             a ``k1`` option takes ``"lower_upper"`` ratio bounds.
         offpolicy_mask_threshold: the :math:`\delta` of DeepSeek-V3.2's off-policy sequence mask, or None.
+        trust_region: one of :data:`lightning_kl.trust_region.TRUST_REGIONS`, or None.
+        trust_region_threshold: its :math:`\delta`: one positive number, or ``(low, high)`` (verl's
+            ``clip_ratio_low`` / ``clip_ratio_high``, prime-rl's ``dppo_mask_low`` / ``_high``).
         bypass: the engine's log-probs are the old log-probs.
         return_weights: False to measure the weights without returning them (``.weights`` None).
         process_group, device_mesh: the data parallel group of ``batch_normalize`` (default: found by
@@ -175,7 +232,7 @@ class RolloutCorrection(nn.Module):
     Raises:
         ValueError, TypeError: for a bad name (the valid ones listed), a bound that is not positive,
             ``lower > upper``, a ``"mask"`` mode with no bound, ``batch_normalize`` without weights, a
-            bad rejection option or threshold.
+            bad rejection option or threshold, a trust region without its threshold (or the reverse).
 
     Example:
         >>> fix = RolloutCorrection("token", upper=2.0)
@@ -200,6 +257,8 @@ class RolloutCorrection(nn.Module):
         offpolicy_mask_threshold: Optional[float] = None,
         bypass: bool = False,
         return_weights: bool = True,
+        trust_region: Optional[str] = None,
+        trust_region_threshold: Optional[Union[float, tuple[float, float]]] = None,
         process_group: Any = None,
         device_mesh: Any = None,
     ) -> None:
@@ -238,6 +297,18 @@ class RolloutCorrection(nn.Module):
         if not return_weights and self.weights is None:
             raise ValueError("`return_weights=False` measures the weights without returning them, but `weights` is None.")
         self.return_weights = return_weights
+        self.trust_region = _choice("trust_region", trust_region, (*TRUST_REGIONS, None))
+        if trust_region is None and trust_region_threshold is not None:
+            raise ValueError(
+                f"`trust_region_threshold` {trust_region_threshold!r} given without `trust_region`; valid regions: "
+                f"{', '.join(TRUST_REGIONS)}."
+            )
+        if trust_region is not None and trust_region_threshold is None:
+            raise ValueError(
+                f"`trust_region={trust_region!r}` needs `trust_region_threshold` (one number, or (low, high); "
+                "verl's and prime-rl's default for binary_tv: 0.2)."
+            )
+        self.trust_threshold = None if trust_region is None else check_trust_threshold(trust_region_threshold)
         check_parallel_args(process_group, device_mesh)
         self.data_parallel = (process_group, device_mesh)
 
@@ -253,6 +324,10 @@ class RolloutCorrection(nn.Module):
             parts.append(f"rejection={[o.name for o in self.rejection]}")
         if self.offpolicy_mask_threshold is not None:
             parts.append(f"offpolicy_mask_threshold={self.offpolicy_mask_threshold}")
+        if self.trust_region is not None:
+            assert self.trust_threshold is not None
+            low, high = self.trust_threshold
+            parts.append(f"trust_region={self.trust_region!r}, trust_region_threshold={low if low == high else (low, high)}")
         if self.bypass:
             parts.append("bypass=True")
         return ", ".join(parts)
@@ -271,7 +346,8 @@ class RolloutCorrection(nn.Module):
                 (decoupled), or the current one's (``bypass``; detached here either way).
             rollout_logprob: ``[..., t]`` the engine's log-probs of the same tokens.
             mask: optional ``[..., t]`` mask, True on response tokens.
-            advantages: ``[...]``, ``[..., 1]`` or ``[..., t]``; needed by ``offpolicy_mask_threshold``.
+            advantages: ``[...]``, ``[..., 1]`` or ``[..., t]``; needed by ``offpolicy_mask_threshold``
+                and ``trust_region``.
 
         Raises:
             TypeError, ValueError: for bad inputs. With ``batch_normalize`` on several processes, an
@@ -309,10 +385,18 @@ class RolloutCorrection(nn.Module):
             dropped = (m & ~kept).any(-1)
             metrics["offpolicy_seq_masked_fraction"] = dropped.sum().to(torch.float64) / m.any(-1).sum().to(torch.float64)
             keep = keep & kept
+        gate = None
+        if self.trust_region is not None:
+            assert advantages is not None and self.trust_threshold is not None
+            gate = trust_region_keep(logprob, rollout_logprob, advantages, m, self.trust_region, *self.trust_threshold, dtype)
+            n = m.sum().to(torch.float64)
+            metrics["trust_region_masked_fraction"] = (m & ~gate).sum().to(torch.float64) / n
         metrics.update(mismatch_compute(mismatch_totals(logprob, rollout_logprob, mask)))
         old = rollout_logprob if self.bypass else logprob.detach()
         if not self.return_weights:
             weights = None  # measured above, in the metrics, as verl's bypass ppo_clip
+        if gate is not None:  # outside the trust region: a weight of 0, in the mask (the denominator) still
+            weights = gate.to(dtype) if weights is None else weights * gate.to(weights.dtype)
         return RolloutCorrectionResult(weights=weights, mask=keep, metrics=metrics, old_logprob=old)
 
     def _check(
@@ -320,10 +404,12 @@ class RolloutCorrection(nn.Module):
     ) -> Optional[Tensor]:
         """The checked mask (bool, or None); raises for bad inputs."""
         mask = check_mismatch_inputs(logprob, rollout_logprob, mask)
-        if self.offpolicy_mask_threshold is not None:
+        needs = "offpolicy_mask_threshold" if self.offpolicy_mask_threshold is not None else None
+        needs = "trust_region" if needs is None and self.trust_region is not None else needs
+        if needs is not None:
             shape = logprob.shape
             if not isinstance(advantages, Tensor):
-                raise ValueError("`offpolicy_mask_threshold` is set: pass `advantages` (the sequences' advantages).")
+                raise ValueError(f"`{needs}` is set: pass `advantages` (the sequences' or the tokens' advantages).")
             if advantages.shape not in (shape, shape[:-1], (*shape[:-1], 1)):
                 raise ValueError(
                     f"`advantages` must be [...], [..., 1] or [..., t] for log-probs {tuple(shape)}, got "
@@ -335,8 +421,8 @@ class RolloutCorrection(nn.Module):
     # each stack's own configuration, verbatim
 
     @classmethod
-    def from_verl(cls, cfg: Any, **kwargs: Any) -> "RolloutCorrection":
-        """From verl's ``algorithm.rollout_correction`` block (verl 0.9.1), a mapping or an object.
+    def from_verl(cls, cfg: Any, actor: Any = None, **kwargs: Any) -> "RolloutCorrection":
+        r"""From verl's ``algorithm.rollout_correction`` block (verl 0.9.1), a mapping or an object.
 
         ``rollout_is`` (None, ``"token"``, ``"sequence"``) with ``rollout_is_threshold`` (a number:
         TIS at that upper bound; ``"lower_upper"``: IcePop), ``rollout_is_batch_normalize``,
@@ -348,6 +434,23 @@ class RolloutCorrection(nn.Module):
         (``return_weights=False``).
         Missing keys take verl's defaults. ``kwargs`` go to the constructor (``process_group``...).
 
+        ``actor`` (optional) is verl's ``actor_rollout_ref.actor`` (a mapping or an object): its
+        ``policy_loss.loss_mode``, ``clip_ratio``, ``clip_ratio_low`` / ``_high`` and ``clip_ratio_c``
+        (missing ones: verl's ``ActorConfig`` defaults, 0.2 and 3.0). The DPPO loss modes map onto this
+        class: verl's ``dppo_tv`` / ``dppo_kl`` loss is
+        :math:`-A \cdot \min(e^{\ell}, c)\,\mathrm{sg} \cdot \log\pi \cdot \mathrm{gate}` with
+        :math:`\ell` the log-ratio of the current policy to verl's old log-probs, which is this class in
+        the bypass form (``weights="token"`` truncated at ``clip_ratio_c``, ``trust_region`` at
+        ``(clip_ratio_low, clip_ratio_high)``, ``bypass=True``), called with the current log-probs and
+        the old ones as ``rollout_logprob`` (the sampler's, for a trust region toward the sampler):
+        ``-A * fix.weights * logprob``, aggregated with ``fix.mask``, is verl's loss. Refused (with
+        the way out) where one correction cannot say what verl does: a DPPO mode with verl's
+        ``bypass_mode`` (verl then replaces the loss mode by ``"bypass_mode"``: no DPPO gate), or with
+        ``rollout_is`` / ``rollout_rs`` (verl multiplies two ratios, the old policy's to the sampler's
+        and the current one's to the old: build one correction for each). Any other verl loss mode
+        leaves the correction as the block says (the policy loss is the caller's; ``kl_cov`` and
+        ``clip_cov`` select their tokens with :func:`lightning_kl.covariance_mask`).
+
         Raises:
             ValueError: for an unknown key or value, with the valid ones.
 
@@ -358,6 +461,10 @@ class RolloutCorrection(nn.Module):
         c = _read(cfg, VERL_DEFAULTS, "verl's rollout_correction", strict=True)
         level = _choice("rollout_is", c["rollout_is"], (None, "token", "sequence"))
         _choice("loss_type", c["loss_type"], ("ppo_clip", "reinforce"))
+        if actor is not None:
+            dppo = _verl_dppo(actor, c)
+            if dppo is not None:
+                return cls(**dppo, **kwargs)
         threshold = c["rollout_is_threshold"]
         args: dict[str, Any] = {"weights": None if threshold is None else level, "upper": None}
         if args["weights"] is not None:

@@ -424,6 +424,8 @@ RUNNERS: dict[tuple[str, int], Callable[..., None]] = {
     ("docs/mismatch.md", 3): run_mismatch_sources,
     ("docs/mismatch.md", 4): run_mismatch_decoupled,
     ("docs/mismatch.md", 5): run_mismatch_bypass,
+    ("docs/mismatch.md", 6): lambda code, mp: run_fragment(code),  # tests/test_trust_region.py: = prime-rl's loss
+    ("docs/mismatch.md", 7): lambda code, mp: run_fragment(code),  # tests/test_cov_select.py: = verl's losses
     ("docs/refresh.md", 0): None,  # needs tmp_path: run_refresh_trainer
     ("docs/refresh.md", 1): lambda code, mp: run_fragment(code),
     ("docs/sampling.md", 0): run_sampling_generate,
