@@ -477,7 +477,9 @@ def full_kl(
     from lightning_kl.distill.topk import TopK, topk_divergence  # (that module imports this one)
 
     if isinstance(ref_x, TopK):  # a teacher's top-k log-probs: the divergence coarsened onto its ids and a tail
-        return topk_divergence(x, ref_x, mask, sampling=sampling, reference=reference, chunk_size=chunk_size, **legacy)
+        return topk_divergence(
+            x, ref_x, mask, sampling=sampling, reference=reference, divergence=divergence, beta=beta, chunk_size=chunk_size, **legacy
+        )
     proc = _sampling(sampling, legacy, "full_kl")
     if reference not in REFERENCES:
         raise ValueError(f"`reference` must be one of {REFERENCES}, got {reference!r}.")
