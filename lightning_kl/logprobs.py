@@ -35,6 +35,7 @@ from lightning_kl.ground.checks import (
     check_values,
 )
 from lightning_kl.inputs import check_chunk_size, check_full_hidden_inputs, check_full_inputs, check_head, check_logit_transform, check_tokens
+from lightning_kl.ground.kept import as_kept_sets, report_missing
 from lightning_kl.ground.sampler import Sampling
 from lightning_kl.ground.vocab_shards import VocabShard, is_vocab_parallel
 from lightning_kl.kernels.engine import REFERENCES, Head, Partition, Tensors, entropy_kernel, full_kl_kernel, token_logprobs_kernel
@@ -199,6 +200,8 @@ def token_logprobs(
     kept_from: Optional[Tensor] = None,
     return_log_kept: bool = False,
     chunk_size: Optional[int] = None,
+    kept: Any = None,
+    return_kept: bool = False,
     **legacy: Any,
 ) -> Any:
     r"""Log-probabilities of ``tokens`` under ``softmax(z / T)``, or under the sampler's processed distribution.
@@ -227,13 +230,26 @@ def token_logprobs(
         return_log_kept: also return :math:`\log S` per token (without grad; 0 without truncation).
         chunk_size: rows per chunk (default: about :math:`2^{19}` logits per chunk on CPU, :math:`2^{25}`
             on GPU; from hidden states :math:`2^{23}` on CPU and at least 16 rows).
+        kept: replay: the kept sets recorded when the tokens were sampled (``return_kept=True`` at rollout
+            time, or an inference engine's record: :class:`~lightning_kl.ground.kept.KeptSets`, or the
+            pair ``(ids, offsets)`` shaped like ``tokens``). The distribution is ``softmax(z / T)``
+            renormalized on each position's recorded set, ties at its boundary included; the sampler's
+            top-k, top-p and min-p are not applied again. On-policy this is the processed log-prob
+            bitwise; off-policy it is finite for every sampled token, with the gradient
+            :math:`([j = y] - [j \in K] \tilde p_j) / T`. A sampled token missing from its own set
+            fails (position named). Logits and :class:`FromHidden`, not a vocabulary shard; not with
+            ``kept_from``.
+        return_kept: also return the kept set of every position
+            (:class:`~lightning_kl.ground.kept.KeptSets` shaped like ``tokens``, empty at ignored
+            positions; None when the sampler keeps the whole vocabulary), to replay later with
+            ``kept=``. Recording reads the sets' sizes on the host (one sync per chunk off the CPU).
 
     The deprecated ``temperature``, ``top_k``, ``top_p``, ``min_p`` keywords (and a positional
     temperature and ignore_index) still work, with a ``DeprecationWarning``: pass ``sampling=``.
 
     Returns:
-        ``[...]`` log-probs, float32 (float64 for float64 inputs), or ``(logprobs, log_kept)`` with
-        ``return_log_kept``.
+        ``[...]`` log-probs, float32 (float64 for float64 inputs); with ``return_log_kept`` and
+        ``return_kept``, a tuple ``(logprobs, log_kept, kept)`` of those asked for, in that order.
 
     Raises:
         TypeError: for inputs that are not floating point, tokens that are not integers, a bad ``sampling``.
@@ -252,6 +268,12 @@ def token_logprobs(
         >>> z = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
         >>> token_logprobs(z, torch.tensor([1]), sampling=Sampling(top_k=2), return_log_kept=True)
         (tensor([-1.3133]), tensor([-0.1269]))
+        >>> lp, kept = token_logprobs(z, torch.tensor([1]), sampling=Sampling(top_k=2), return_kept=True)
+        >>> kept.to_mask()  # the rollout's kept set, recorded
+        tensor([[ True,  True, False, False]])
+        >>> later = torch.tensor([[0.0, 1.0, 2.0, -1.0]])  # the policy moved: token 1 left its top-2
+        >>> token_logprobs(later, torch.tensor([1]), sampling=Sampling(top_k=2), kept=kept)  # renormalized on {0, 1}
+        tensor([-0.3133])
     """
     if legacy_args:
         if len(legacy_args) > 2:
@@ -266,11 +288,12 @@ def token_logprobs(
         if len(legacy_args) == 2:
             ignore_index = legacy_args[1]
     proc = _sampling(sampling, legacy, "token_logprobs", warn=not legacy_args)
-    return _token_logprobs(x, tokens, proc, ignore_index, outside, kept_from, return_log_kept, chunk_size)
+    return _token_logprobs(x, tokens, proc, ignore_index, outside, kept_from, return_log_kept, chunk_size, kept, return_kept)
 
 
 def _token_logprobs(
-    x: Any, tokens: Tensor, proc: Sampling, ignore_index: Any, outside: Any, kept_from: Any, return_log_kept: bool, chunk_size: Any
+    x: Any, tokens: Tensor, proc: Sampling, ignore_index: Any, outside: Any, kept_from: Any, return_log_kept: bool, chunk_size: Any,
+    kept: Any = None, return_kept: bool = False,
 ) -> Any:
     src, part, lead = _source(x, "x" if isinstance(x, FromHidden) else "logits", proc)
     outside = _check_outside(outside)
@@ -282,10 +305,19 @@ def _token_logprobs(
             raise ValueError("`kept_from` takes whole logits `x` (not lk.FromHidden nor a vocabulary shard).")
         check_matching("logits", src.x, "kept_from", kept_from)
         kept_from = kept_from.detach()
-    lp, log_kept, out = token_logprobs_kernel(src, ids, ignored, proc, part, chunk_size, kept_from)
-    if (proc.truncates or kept_from is not None) and outside == "raise":
+    if kept is not None:
+        if kept_from is not None or part.split:
+            raise ValueError("`kept` (replay) takes logits or lk.FromHidden over the whole vocabulary, and no `kept_from`.")
+        kept = as_kept_sets(kept, tokens.shape, vocab, lead.device)
+    record: Optional[list[Any]] = [] if return_kept else None
+    lp, log_kept, out = token_logprobs_kernel(src, ids, ignored, proc, part, chunk_size, kept_from, kept, record)
+    if kept is not None:
+        report_missing(out, tokens)
+    elif (proc.truncates or kept_from is not None) and outside == "raise":
         _report_outside(out, tokens, proc)
-    return (lp, log_kept) if return_log_kept else lp
+    if not (return_log_kept or return_kept):
+        return lp
+    return (lp,) + ((log_kept,) if return_log_kept else ()) + ((record[0],) if record is not None else ())
 
 
 def token_entropy(

@@ -86,6 +86,7 @@ from torch.autograd.function import once_differentiable
 
 from lightning_kl.ground.checks import check_values, compute_dtype, host_reads
 from lightning_kl.ground.chunks import run_chunks
+from lightning_kl.ground.kept import KeptSets
 from lightning_kl.ground.sampler import Sampling, process_scores
 
 __all__ = [
@@ -558,17 +559,21 @@ def token_logprobs_kernel(
     part: Partition = WHOLE,
     chunk_size: Optional[int] = None,
     kept_from: Optional[Tensor] = None,
+    replay: Optional[KeptSets] = None,
+    record: Optional[list[Any]] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Log-probs of ``ids [n]`` (int64; in ``[0, V)`` for the whole vocabulary, global ids on a split)
     under the processed distribution of a checked source, with the kept log-mass and the outside flags.
 
     ``kept_from`` (logits ``[..., V]`` of another model, no gradient) chooses the kept set instead of
-    ``src``. Returns ``(logprobs, log_kept, outside)``, each ``[...]``: ``logprobs`` differentiable
+    ``src``; ``replay`` (checked :class:`~lightning_kl.ground.kept.KeptSets` of the ``n`` positions)
+    gives it as recorded. ``record``: a list that receives the kept sets the processing chose
+    (:class:`~lightning_kl.ground.kept.KeptSets` of ``[...]``, empty sets at ignored positions). Returns ``(logprobs, log_kept, outside)``, each ``[...]``: ``logprobs`` differentiable
     (``-inf`` with zero gradient where the token is outside the kept set), ``log_kept`` without grad
     (0 without truncation), ``outside`` bool. Ignored tokens: 0, 0, False, zero gradient. On a split
     vocabulary each id must be owned by exactly one rank (checked, without a host read off the CPU).
     """
-    lp, _, log_kept, outside = _Rows.apply(*src, kept_from, ids, ignored, sampling, part, chunk_size, True, False)
+    lp, _, log_kept, outside = _Rows.apply(*src, kept_from, ids, ignored, sampling, part, chunk_size, True, False, replay, record)
     return lp, log_kept, outside
 
 
@@ -577,7 +582,7 @@ def entropy_kernel(
 ) -> Tensor:
     r"""Per-token entropy :math:`H = -\sum_i \tilde p_i \log \tilde p_i` ``[...]`` of the processed
     distribution of a checked source (``invalid``: None or ``[n]`` bool, value 0 and gradient 0 there)."""
-    return _Rows.apply(*src, None, None, invalid, sampling, part, chunk_size, False, True)[1]
+    return _Rows.apply(*src, None, None, invalid, sampling, part, chunk_size, False, True, None, None)[1]
 
 
 def token_logprobs_entropy_kernel(
@@ -591,8 +596,30 @@ def token_logprobs_entropy_kernel(
     """:func:`token_logprobs_kernel` and :func:`entropy_kernel` from one read of the vocabulary per chunk:
     ``(logprobs, entropy, outside)``, the first two differentiable through one backward pass (one
     gradient writer). Ignored tokens: 0, 0, False, zero gradient."""
-    lp, ent, _, outside = _Rows.apply(*src, None, ids, ignored, sampling, part, chunk_size, True, True)
+    lp, ent, _, outside = _Rows.apply(*src, None, ids, ignored, sampling, part, chunk_size, True, True, None, None)
     return lp, ent, outside
+
+
+class _Recorded:
+    """Recorded kept sets read by chunks of positions: each chunk's ``[c, V]`` mask of removed tokens from
+    its own ids (bounds from the host copy of the offsets: no device sync)."""
+
+    def __init__(self, kept: KeptSets) -> None:
+        self.kept, self.rows = kept, kept._rows()
+
+    def removed(self, pos: slice, vocab: int) -> Tensor:
+        a, b = self.kept.bounds(pos.start, pos.stop)
+        removed = torch.ones((pos.stop - pos.start, vocab), dtype=torch.bool, device=self.rows.device)
+        removed[self.rows[a:b] - pos.start, self.kept.ids[a:b].long()] = False
+        return removed
+
+
+def _assemble(chosen: dict[int, tuple[Tensor, Tensor]], lead: torch.Size, vocab: int, device: torch.device) -> KeptSets:
+    """The recording's chunks (sizes and ids, by first position) as one :class:`KeptSets` of ``lead``."""
+    keys = sorted(chosen)
+    counts = torch.cat([chosen[k][0] for k in keys]) if keys else torch.zeros(0, dtype=torch.int64, device=device)
+    ids = torch.cat([chosen[k][1] for k in keys]) if keys else torch.zeros(0, dtype=torch.int64, device=device)
+    return KeptSets(ids, torch.cat([counts.new_zeros(1), counts.cumsum(0)]), lead, vocab)
 
 
 # the rows of _Rows' per-row statistics: the shift m (largest kept logit), the log-sum c over the kept
@@ -623,13 +650,17 @@ class _Rows(torch.autograd.Function):
         chunk_size: Optional[int],
         want_lp: bool,
         want_ent: bool,
+        replay: Optional[KeptSets],
+        record: Optional[list[Any]],
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         ctx.set_materialize_grads(False)
         src = Source(Tensors(x, weight, bias, head))
         support = None if kept_from is None else Source(Tensors(kept_from))
         srcs = (src,) if support is None else (src, support)
         n, dtype, device, temp = src.n, compute_dtype(x), x.device, sampling.temperature
-        truncated = sampling.truncates or support is not None
+        truncated = sampling.truncates or support is not None or replay is not None
+        recorded = _Recorded(replay) if replay is not None else None
+        chosen: dict[int, tuple[Tensor, Tensor]] = {}  # the recording's chunks, by first position
         rows = src.chunk_rows(chunk_size, tiled=not truncated)
         col = owned = None
         if want_lp:
@@ -678,19 +709,27 @@ class _Rows(torch.autograd.Function):
 
         def kept(pos: slice, idx: slice | Tensor) -> None:
             z = src.scores(idx, dtype, 1.0)  # fresh logits in the compute dtype
-            removed = process_scores(z / temp if support is None else support.scores(idx, dtype, temp), sampling) == _NINF
+            if recorded is not None:  # the recorded set, ties at its boundary included, not a recomputed one
+                removed = recorded.removed(pos, src.vocab)
+            else:
+                removed = process_scores(z / temp if support is None else support.scores(idx, dtype, temp), sampling) == _NINF
+            if record is not None:  # what the processing kept (nothing at ignored positions)
+                keep = ~removed if ignored is None else ~removed & ~ignored[pos].unsqueeze(1)
+                chosen[pos.start] = keep.sum(dim=-1), keep.nonzero()[:, 1]
             if want_lp:
                 stats[_ZY, pos] = z.gather(1, col[pos]).squeeze(1)  # type: ignore[index]
                 outside[pos] = removed.gather(1, col[pos]).squeeze(1)  # type: ignore[index]
             # the kept set as a threshold on the logits, for the backward: top-k and min-p keep upper sets of
             # z / T, which are upper sets of z (the rounded division is monotone)
             threshold[pos] = torch.where(removed, float("inf"), z).amin(dim=-1)
-            # the top is kept by generate's rules; another model's kept set may leave it out
-            m = z.amax(dim=-1, keepdim=True) if support is None else z.masked_fill(removed, _NINF).amax(dim=-1, keepdim=True)
+            # the top is kept by generate's rules; another model's kept set, or a recorded one off-policy, may
+            # leave it out (on-policy its largest kept logit is the top, bitwise: the same values follow)
+            other = support is not None or recorded is not None
+            m = z.masked_fill(removed, _NINF).amax(dim=-1, keepdim=True) if other else z.amax(dim=-1, keepdim=True)
             e = z.sub_(_finite(m))
             if temp != 1.0:
                 e.div_(temp)
-            if support is None:
+            if not other:
                 u = e.exp_()
                 stats[_CALL, pos] = u.sum(dim=-1).log_()
                 u.masked_fill_(removed, 0)
@@ -710,6 +749,8 @@ class _Rows(torch.autograd.Function):
                 whole(pos, idx, state)
 
         _run(work, srcs, rows, state=True)
+        if record is not None:
+            record.append(_assemble(chosen, src.lead, src.vocab, device) if truncated else None)
         m, c, zy, spread = stats[_M], stats[_C], stats[_ZY], stats[_A]
         if ignored is not None:  # NaN logits of ignored rows stay out of the group's max and of the values
             m.masked_fill_(ignored, 0)
@@ -748,7 +789,7 @@ class _Rows(torch.autograd.Function):
             outside.masked_fill_(ignored, False)
         out.masked_fill_(outside, _NINF)
         ctx.save_for_backward(x, weight, bias, kept_from)
-        ctx.saved = (col, owned, ignored, outside, m, c, spread, threshold)
+        ctx.saved = (col, owned, ignored, outside, m, c, spread, threshold, recorded)
         ctx.sampling, ctx.part, ctx.rows, ctx.truncated, ctx.want = sampling, part, rows, truncated, (want_lp, want_ent)
         ctx.head = head
         lead = src.lead
@@ -760,9 +801,9 @@ class _Rows(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, g_lp: Optional[Tensor], g_ent: Optional[Tensor], _g_kept: Any, _g_outside: Any) -> tuple[Optional[Tensor], ...]:
         x, weight, bias, kept_from = ctx.saved_tensors
-        col, owned, ignored, outside, m, c, spread, threshold = ctx.saved
+        col, owned, ignored, outside, m, c, spread, threshold, recorded = ctx.saved
         sampling, part, (want_lp, want_ent) = ctx.sampling, ctx.part, ctx.want
-        nones = (None,) * 8
+        nones = (None,) * 10
         src = Source(Tensors(x, weight, bias, ctx.head))
         support = None if kept_from is None else Source(Tensors(kept_from))
         dtype, temp = m.dtype, sampling.temperature
@@ -799,7 +840,7 @@ class _Rows(torch.autograd.Function):
         shift = m.unsqueeze(1)
         # top-p splits tied scores at its boundary, and another model's kept set is no threshold on
         # these logits: the processing runs again there (the same ops on the same numbers)
-        redo = sampling.top_p is not None or support is not None
+        redo = sampling.top_p is not None or support is not None or recorded is not None
 
         def work(item: tuple[slice, slice | Tensor], state: Any) -> None:
             pos, idx = item
@@ -823,7 +864,9 @@ class _Rows(torch.autograd.Function):
                     del chunk
                 else:
                     z = src.scores(idx, dtype, 1.0)
-                    if redo:
+                    if recorded is not None:
+                        removed = recorded.removed(pos, src.vocab)
+                    elif redo:
                         removed = process_scores(z / temp if support is None else support.scores(idx, dtype, temp), sampling) == _NINF
                     else:
                         removed = z < threshold[pos].unsqueeze(1)
