@@ -35,7 +35,7 @@ from lightning_kl.ground.checks import (
     check_values,
 )
 from lightning_kl.inputs import check_chunk_size, check_full_hidden_inputs, check_full_inputs, check_head, check_logit_transform, check_tokens
-from lightning_kl.ground.kept import as_kept_sets, report_missing
+from lightning_kl.ground.kept import KeptSets, as_kept_sets, check_nonempty, report_missing
 from lightning_kl.ground.sampler import Sampling
 from lightning_kl.ground.vocab_shards import VocabShard, is_vocab_parallel
 from lightning_kl.kernels.engine import REFERENCES, Head, Partition, Tensors, entropy_kernel, full_kl_kernel, token_logprobs_kernel
@@ -306,9 +306,7 @@ def _token_logprobs(
         check_matching("logits", src.x, "kept_from", kept_from)
         kept_from = kept_from.detach()
     if kept is not None:
-        if kept_from is not None or part.split:
-            raise ValueError("`kept` (replay) takes logits or lk.FromHidden over the whole vocabulary, and no `kept_from`.")
-        kept = as_kept_sets(kept, tokens.shape, vocab, lead.device)
+        kept = _replayed(kept, kept_from, part, tokens.shape, src, lead.device)
     record: Optional[list[Any]] = [] if return_kept else None
     lp, log_kept, out = token_logprobs_kernel(src, ids, ignored, proc, part, chunk_size, kept_from, kept, record)
     if kept is not None:
@@ -320,12 +318,20 @@ def _token_logprobs(
     return (lp,) + ((log_kept,) if return_log_kept else ()) + ((record[0],) if record is not None else ())
 
 
+def _replayed(kept: Any, kept_from: Any, part: Partition, shape: torch.Size, src: Tensors, device: torch.device) -> KeptSets:
+    """``kept=`` checked for replay on this source (whole vocabulary, no ``kept_from``)."""
+    if kept_from is not None or part.split:
+        raise ValueError("`kept` (replay) takes logits or lk.FromHidden over the whole vocabulary, and no `kept_from`.")
+    return as_kept_sets(kept, shape, src.x.shape[-1] if src.weight is None else src.weight.shape[0], device)
+
+
 def token_entropy(
     x: Tensor | VocabShard | FromHidden,
     mask: Optional[Tensor] = None,
     *,
     sampling: Optional[Sampling] = None,
     chunk_size: Optional[int] = None,
+    kept: Any = None,
 ) -> Tensor:
     r"""Per-token entropy :math:`H = -\sum_i \tilde p_i \log \tilde p_i` of the (processed) distribution.
 
@@ -338,6 +344,8 @@ def token_entropy(
         mask: optional ``[...]``, True on valid tokens (value 0 and gradient exactly 0 elsewhere).
         sampling: the sampler (None: ``softmax(z)``); truncation is refused on a split vocabulary.
         chunk_size: rows per chunk.
+        kept: replay (as :func:`token_logprobs`): the entropy of ``softmax(z / T)`` renormalized on each
+            position's recorded kept set; every valid position's set must hold a token (named otherwise).
 
     Returns:
         ``[...]`` entropy per token (nats), float32 (float64 for float64 inputs).
@@ -352,7 +360,10 @@ def token_entropy(
     src, part, lead = _source(x, "x" if isinstance(x, FromHidden) else "logits", proc)
     check_chunk_size(chunk_size)
     mask = check_mask(mask, lead, "hidden" if src.weight is not None else "logits", without="the last dimension")
-    return entropy_kernel(src, None if mask is None else ~mask.reshape(-1), proc, part, chunk_size)
+    if kept is not None:
+        kept = _replayed(kept, None, part, lead.shape[:-1], src, lead.device)
+        check_nonempty(kept, mask)
+    return entropy_kernel(src, None if mask is None else ~mask.reshape(-1), proc, part, chunk_size, kept)
 
 
 def token_logprobs_and_entropy(
@@ -363,6 +374,7 @@ def token_logprobs_and_entropy(
     ignore_index: Optional[int] = None,
     outside: str = "raise",
     chunk_size: Optional[int] = None,
+    kept: Any = None,
 ) -> tuple[Tensor, Tensor]:
     r""":func:`token_logprobs` and :func:`token_entropy` from one read of the vocabulary per chunk.
 
@@ -371,7 +383,8 @@ def token_logprobs_and_entropy(
     writer (from a head: one float32 ``[V, d]`` accumulator, not two). The values equal the two calls';
     the entropy is that of the distribution the log-probs are taken under (the sampler's processed one).
     ``x``, ``tokens``, ``sampling``, ``ignore_index`` (0 in both outputs, zero gradient), ``outside``
-    (the log-prob; the entropy is the row's) and ``chunk_size`` as :func:`token_logprobs`, whose errors it raises.
+    (the log-prob; the entropy is the row's), ``chunk_size`` and ``kept`` (replay) as :func:`token_logprobs`,
+    whose errors it raises.
 
     Returns:
         ``(logprobs, entropy)``, each ``[...]``, float32 (float64 for float64 inputs).
@@ -390,8 +403,12 @@ def token_logprobs_and_entropy(
     check_chunk_size(chunk_size)
     vocab = None if part.split else (src.x.shape[-1] if src.weight is None else src.weight.shape[0])
     ids, ignored = check_tokens(tokens, lead.shape[:-1], vocab, lead.device, "hidden" if src.weight is not None else "logits", ignore_index)
-    lp, ent, out = token_logprobs_entropy_kernel(src, ids, ignored, proc, part, chunk_size)
-    if proc.truncates and outside == "raise":
+    if kept is not None:
+        kept = _replayed(kept, None, part, tokens.shape, src, lead.device)
+    lp, ent, out = token_logprobs_entropy_kernel(src, ids, ignored, proc, part, chunk_size, kept)
+    if kept is not None:
+        report_missing(out, tokens)
+    elif proc.truncates and outside == "raise":
         _report_outside(out, tokens, proc)
     return lp, ent
 

@@ -335,3 +335,118 @@ def test_ppo_epochs_on_replayed_logprobs_stay_finite_where_todays_scorer_raises(
         lp = lk.token_logprobs(policy(h), y, sampling=s, kept=kept)
     seq = lk.KLPenaltyLoss("k3", coef=1.0, level="sequence", agg="seq-mean-token-sum")(lp, ref_lp, mask)
     assert seq.isfinite()
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face: generate's own record, response_logprobs' record and replay
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    pytest.importorskip("transformers")
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "hf_grpo.py"
+    spec = importlib.util.spec_from_file_location("hf_grpo_for_replay", path)
+    ex = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ex)
+    torch.manual_seed(0)
+    model = ex.build_model("qwen2", 16, 1, 2, 1, 32, 32).eval()
+    with torch.no_grad():  # peakier logits than the default init, so that truncation bites
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.mul_(6)
+    enc = ex.build_tokenizer()([ex.prompt_text(a, b) for a, b in [(3, 4), (12, 1), (7, 7), (0, 9)]], return_tensors="pt", padding=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield ex, model, enc
+    torch.set_num_threads(threads)
+
+
+def test_hf_generates_record_and_response_logprobs_record_replay_on_and_off_policy(tiny):
+    ex, model, enc = tiny
+    s = lk.Sampling(0.9, top_p=0.8)
+    torch.manual_seed(3)
+    out = model.generate(**enc, max_new_tokens=6, pad_token_id=ex.PAD_ID, eos_token_id=ex.EOS_ID,
+                         output_scores=True, return_dict_in_generate=True, **s.generate_kwargs(model))
+    p = enc["input_ids"].shape[1]
+    seq = out.sequences
+    mask = lk.hf.response_mask(seq[:, p:], ex.EOS_ID)
+    am, _ = lk.hf.sequence_inputs(enc["attention_mask"], mask)
+    engine = KeptSets.from_scores(out.scores)  # what generate's sampler kept, position by position
+    with torch.no_grad():
+        lp, logits, kept = lk.hf.response_logprobs(model, seq, am, p, sampling=s, return_logits=True, return_kept=True)
+        assert torch.equal(kept.to_mask()[mask], engine.to_mask()[mask])
+        assert (kept.sizes()[~mask] == 0).all()  # after EOS: not sampled, nothing recorded
+        assert torch.equal(lk.hf.response_logprobs(model, seq, am, p, sampling=s, kept=kept), lp)
+        replayed = lk.hf.response_logprobs(model, seq, am, p, sampling=s, kept=engine)
+        assert_close(replayed, lp, rtol=0, atol=1e-5)
+        assert (replayed[~mask] == 0).all()
+        moved = {n: t + 2.0 * torch.randn_like(t) for n, t in model.state_dict().items() if t.dim() > 1}
+        old = {n: model.state_dict()[n].clone() for n in moved}
+        model.load_state_dict(moved, strict=False)
+        try:
+            off = lk.hf.response_logprobs(model, seq, am, p, sampling=s, kept=kept)
+            today = lk.hf.response_logprobs(model, seq, am, p, sampling=s, outside="-inf")
+        finally:
+            model.load_state_dict(old, strict=False)
+    assert off.isfinite().all() and (today[mask] == float("-inf")).any()
+
+
+# ---------------------------------------------------------------------------------------------
+# the entropy on the recorded sets
+
+
+@pytest.mark.parametrize("kw", SAMPLERS[:3] + SAMPLERS[5:], ids=IDS[:3] + IDS[5:])
+def test_the_entropy_replays_bitwise_on_policy_and_exactly_off_policy(kw):
+    s = lk.Sampling(**kw)
+    z = logits(12)
+    y = rollout(z, s, seed=13)
+    _, kept = lk.token_logprobs(z, y, sampling=s, return_kept=True)
+    mask = torch.ones(B, L, dtype=torch.bool)
+    mask[2, 4:] = False
+    a, b = z.clone().requires_grad_(), z.clone().requires_grad_()
+    h1, h2 = lk.token_entropy(a, mask, sampling=s), lk.token_entropy(b, mask, sampling=s, kept=kept)
+    gout = torch.randn(B, L, generator=torch.Generator().manual_seed(14))
+    (h1 * gout).sum().backward()
+    (h2 * gout).sum().backward()
+    assert torch.equal(h1, h2) and torch.equal(a.grad, b.grad)
+    # off-policy: -sum p~ log p~ on the record, and its gradient, against float64 autograd of the formula
+    new = (z + torch.randn(z.shape, generator=torch.Generator().manual_seed(15))).double().requires_grad_()
+    lp, h = lk.token_logprobs_and_entropy(new, y, sampling=s, kept=kept)
+    assert torch.equal(lp, lk.token_logprobs(new, y, sampling=s, kept=kept)) and torch.equal(h, lk.token_entropy(new, sampling=s, kept=kept))
+    (lp.sum() + (h * gout).sum()).backward()
+    ref = new.detach().clone().requires_grad_()
+    logp = torch.log_softmax((ref / s.temperature).masked_fill(~kept.to_mask(), float("-inf")), -1)
+    want_h = -(logp.exp() * logp.masked_fill(~kept.to_mask(), 0)).sum(-1)
+    (logp.gather(-1, y[..., None]).sum() + (want_h * gout.double()).sum()).backward()
+    assert_close(h, want_h.detach(), rtol=0, atol=1e-12)
+    assert_close(new.grad, ref.grad, rtol=0, atol=1e-12)
+    empty = kept.to_mask()
+    empty[1, 3] = False
+    with pytest.raises(ValueError, match=r"empty set at position \(1, 3\)"):
+        lk.token_entropy(z, sampling=s, kept=KeptSets.from_mask(empty))
+    h = lk.token_entropy(z, mask & (torch.arange(L) != 3), sampling=s, kept=KeptSets.from_mask(empty))
+    assert h[1, 3] == 0 and h.isfinite().all()
+
+
+def test_the_study_script_is_exact_on_policy():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "replay_study.py"
+    spec = importlib.util.spec_from_file_location("replay_study", path)
+    study = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(study)
+    r = study.study(0.9, 1.0, 0.0, 20, 16, 2.0, 0)
+    assert r["replay_bias"] == 0 and r["replay_off"] == 0 and r["dropped"] == 0
+    # temperature-only scoring is off by the log of the kept mass, log S, on-policy: E_mu[log S]
+    g = torch.Generator().manual_seed(0)
+    old = torch.randn(20, 16, generator=g, dtype=torch.float64) * 2.0
+    s = lk.Sampling(1.0, top_p=0.9)
+    keep = process_scores(old, s) > float("-inf")
+    log_s = torch.logsumexp(old.masked_fill(~keep, float("-inf")), -1) - torch.logsumexp(old, -1)
+    assert abs(r["temp_bias"] - float(log_s.mean())) < 1e-12  # each context's weights sum to 1
+    moved = study.study(0.9, 1.0, 0.3, 20, 16, 2.0, 0)
+    assert moved["dropped"] > 0

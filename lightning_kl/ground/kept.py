@@ -229,3 +229,18 @@ def report_missing(missing: Tensor, tokens: Tensor) -> None:
         )
 
     check_values(missing, named, "every sampled token must lie in its own recorded kept set (`kept`): the record belongs to other tokens")
+
+
+def check_nonempty(kept: KeptSets, mask: Any) -> None:
+    """Fail if a valid position (``mask`` True, or every position for None) has an empty recorded set:
+    no distribution to take the entropy of. Named on the CPU; a device-side assertion elsewhere."""
+    from lightning_kl.ground.checks import check_values
+
+    empty = kept.sizes() == 0
+    if mask is not None:
+        empty = empty & mask
+    check_values(
+        empty,
+        lambda: ValueError(f"`kept` holds an empty set at position {tuple(empty.nonzero()[0].tolist())}, which the mask says is valid: every scored position needs its kept set."),
+        "every valid position needs a non-empty recorded kept set (`kept`)",
+    )

@@ -578,11 +578,13 @@ def token_logprobs_kernel(
 
 
 def entropy_kernel(
-    src: Tensors, invalid: Optional[Tensor], sampling: Sampling, part: Partition = WHOLE, chunk_size: Optional[int] = None
+    src: Tensors, invalid: Optional[Tensor], sampling: Sampling, part: Partition = WHOLE, chunk_size: Optional[int] = None,
+    replay: Optional[KeptSets] = None,
 ) -> Tensor:
     r"""Per-token entropy :math:`H = -\sum_i \tilde p_i \log \tilde p_i` ``[...]`` of the processed
-    distribution of a checked source (``invalid``: None or ``[n]`` bool, value 0 and gradient 0 there)."""
-    return _Rows.apply(*src, None, None, invalid, sampling, part, chunk_size, False, True, None, None)[1]
+    distribution of a checked source (``invalid``: None or ``[n]`` bool, value 0 and gradient 0 there),
+    on the recorded kept sets with ``replay``."""
+    return _Rows.apply(*src, None, None, invalid, sampling, part, chunk_size, False, True, replay, None)[1]
 
 
 def token_logprobs_entropy_kernel(
@@ -592,11 +594,12 @@ def token_logprobs_entropy_kernel(
     sampling: Sampling,
     part: Partition = WHOLE,
     chunk_size: Optional[int] = None,
+    replay: Optional[KeptSets] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`token_logprobs_kernel` and :func:`entropy_kernel` from one read of the vocabulary per chunk:
     ``(logprobs, entropy, outside)``, the first two differentiable through one backward pass (one
-    gradient writer). Ignored tokens: 0, 0, False, zero gradient."""
-    lp, ent, _, outside = _Rows.apply(*src, None, ids, ignored, sampling, part, chunk_size, True, True, None, None)
+    gradient writer). Ignored tokens: 0, 0, False, zero gradient. ``replay`` as :func:`token_logprobs_kernel`."""
+    lp, ent, _, outside = _Rows.apply(*src, None, ids, ignored, sampling, part, chunk_size, True, True, replay, None)
     return lp, ent, outside
 
 
