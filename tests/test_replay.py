@@ -450,3 +450,30 @@ def test_the_study_script_is_exact_on_policy():
     assert abs(r["temp_bias"] - float(log_s.mean())) < 1e-12  # each context's weights sum to 1
     moved = study.study(0.9, 1.0, 0.3, 20, 16, 2.0, 0)
     assert moved["dropped"] > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# replay reads nothing on the host (as on a GPU): the same values and gradients as the host form
+
+
+def test_replay_reads_nothing_on_the_host_and_a_missing_token_still_fails(monkeypatch):
+    from test_no_host_sync import device_form
+
+    s = lk.Sampling(0.8, top_p=0.8)
+    z = logits(16)
+    y = rollout(z, s, seed=17)
+    y[0, 0] = -100
+    _, kept = lk.token_logprobs(z, y, sampling=s, ignore_index=-100, return_kept=True)
+    new = z + torch.randn(z.shape, generator=torch.Generator().manual_seed(18))
+    a, b = new.clone().requires_grad_(), new.clone().requires_grad_()
+    want = lk.token_logprobs(a, y, sampling=s, ignore_index=-100, kept=kept, chunk_size=4)
+    want.sum().backward()
+    bad = kept.to_mask()
+    bad[1, 2, y[1, 2]] = False
+    bad = KeptSets.from_mask(bad)
+    with device_form(monkeypatch):
+        got = lk.token_logprobs(b, y, sampling=s, ignore_index=-100, kept=kept, chunk_size=4)
+        got.sum().backward()
+        with pytest.raises(RuntimeError, match="must lie in its own recorded kept set"):
+            lk.token_logprobs(new, y, sampling=s, ignore_index=-100, kept=bad)
+    assert torch.equal(got, want) and torch.equal(b.grad, a.grad)

@@ -98,7 +98,7 @@ class KeptSets:
                 f"kept sets: `offsets` must have n + 1 = {n + 1} entries for {n} positions (shape {tuple(shape)}), "
                 f"got {offsets.numel()}."
             )
-        off = offsets.to("cpu", torch.int64)
+        off = offsets.to("cpu", torch.int64, copy=True)
         if int(off[0]) != 0:
             raise ValueError(f"kept sets: `offsets` must start at 0, got {int(off[0])}.")
         if int(off[-1]) != ids.numel():
@@ -119,7 +119,7 @@ class KeptSets:
             )
         self.ids = ids.to(torch.int32)
         self.offsets = off.to(ids.device)
-        self._host = off  # the offsets on the host: replay reads its chunks' bounds with no device sync
+        self._host = off.numpy()  # the offsets on the host: replay reads its chunks' bounds with no device sync
         self.shape = shape
         self.vocab = vocab
 
