@@ -17,7 +17,8 @@ validates its inputs once and hands them to one chunked engine (:mod:`lightning_
 float32 maths (float64 for float64 inputs), exact gradients in each input's dtype, no ``[..., V]``
 float32 copy, ``O(n)`` numbers kept between forward and backward. The sampler's truncation (top-k,
 top-p, min-p) needs whole rows: on a vocabulary split over ranks it is refused with an error naming
-the combination (pass the temperature alone, or gather those rows).
+the combination (pass the temperature alone, or gather those rows); a recorded kept set
+(``kept=``, replay) works there.
 """
 
 from __future__ import annotations
@@ -237,8 +238,8 @@ def token_logprobs(
             top-k, top-p and min-p are not applied again. On-policy this is the processed log-prob
             bitwise; off-policy it is finite for every sampled token, with the gradient
             :math:`([j = y] - [j \in K] \tilde p_j) / T`. A sampled token missing from its own set
-            fails (position named). Logits and :class:`FromHidden`, not a vocabulary shard; not with
-            ``kept_from``.
+            fails (position named). Logits, :class:`FromHidden` and vocabulary shards (there a
+            :class:`~lightning_kl.ground.kept.KeptSets`, the same on every rank); not with ``kept_from``.
         return_kept: also return the kept set of every position
             (:class:`~lightning_kl.ground.kept.KeptSets` shaped like ``tokens``, empty at ignored
             positions; None when the sampler keeps the whole vocabulary), to replay later with
@@ -295,6 +296,8 @@ def _token_logprobs(
     x: Any, tokens: Tensor, proc: Sampling, ignore_index: Any, outside: Any, kept_from: Any, return_log_kept: bool, chunk_size: Any,
     kept: Any = None, return_kept: bool = False,
 ) -> Any:
+    if kept is not None:  # the record replaces the sampler's truncation: its temperature only
+        proc = Sampling(proc.temperature)
     src, part, lead = _source(x, "x" if isinstance(x, FromHidden) else "logits", proc)
     outside = _check_outside(outside)
     check_chunk_size(chunk_size)
@@ -319,9 +322,14 @@ def _token_logprobs(
 
 
 def _replayed(kept: Any, kept_from: Any, part: Partition, shape: torch.Size, src: Tensors, device: torch.device) -> KeptSets:
-    """``kept=`` checked for replay on this source (whole vocabulary, no ``kept_from``)."""
-    if kept_from is not None or part.split:
-        raise ValueError("`kept` (replay) takes logits or lk.FromHidden over the whole vocabulary, and no `kept_from`.")
+    """``kept=`` checked for replay on this source (no ``kept_from``; on a vocabulary shard a
+    :class:`KeptSets`, whose vocabulary the shards are not checked against)."""
+    if kept_from is not None:
+        raise ValueError("`kept` (replay) and `kept_from` choose the kept set each: pass one.")
+    if part.split:
+        if not isinstance(kept, KeptSets):
+            raise TypeError("on a vocabulary shard `kept` must be a KeptSets (lightning_kl.ground.kept), which names the vocabulary size.")
+        return as_kept_sets(kept, shape, kept.vocab, device)
     return as_kept_sets(kept, shape, src.x.shape[-1] if src.weight is None else src.weight.shape[0], device)
 
 
@@ -357,6 +365,8 @@ def token_entropy(
         tensor([0.])
     """
     proc = _sampling(sampling, {}, "token_entropy")
+    if kept is not None:  # the record replaces the sampler's truncation
+        proc = Sampling(proc.temperature)
     src, part, lead = _source(x, "x" if isinstance(x, FromHidden) else "logits", proc)
     check_chunk_size(chunk_size)
     mask = check_mask(mask, lead, "hidden" if src.weight is not None else "logits", without="the last dimension")
@@ -398,6 +408,8 @@ def token_logprobs_and_entropy(
         tensor([-0.5000,  0.5000])
     """
     proc = _sampling(sampling, {}, "token_logprobs_and_entropy")
+    if kept is not None:  # the record replaces the sampler's truncation
+        proc = Sampling(proc.temperature)
     src, part, lead = _source(x, "x" if isinstance(x, FromHidden) else "logits", proc)
     outside = _check_outside(outside)
     check_chunk_size(chunk_size)

@@ -271,7 +271,7 @@ def test_bad_records_fail_naming_the_position():
         lk.token_logprobs(torch.randn(2, 3, 5), y, sampling=s, kept=good)
     with pytest.raises(TypeError, match=r"`kept` must be the kept sets .* got Tensor"):
         lk.token_logprobs(z, y, sampling=s, kept=torch.ones(2, 3, 4, dtype=torch.bool))
-    with pytest.raises(ValueError, match="no `kept_from`"):
+    with pytest.raises(ValueError, match=r"`kept` \(replay\) and `kept_from` choose the kept set each: pass one"):
         lk.token_logprobs(z, y, sampling=s, kept=good, kept_from=z)
     # a sampled token missing from its own set: position and id named, whatever `outside` says
     mask = torch.ones(2, 3, 4, dtype=torch.bool)
@@ -477,3 +477,34 @@ def test_replay_reads_nothing_on_the_host_and_a_missing_token_still_fails(monkey
         with pytest.raises(RuntimeError, match="must lie in its own recorded kept set"):
             lk.token_logprobs(new, y, sampling=s, ignore_index=-100, kept=bad)
     assert torch.equal(got, want) and torch.equal(b.grad, a.grad)
+
+
+# ---------------------------------------------------------------------------------------------
+# vocabulary shards: 2 gloo processes against one process on the whole logits
+
+
+def test_replay_on_vocabulary_shards_equals_one_process(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(root), str(root / "tests")] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    worker = Path(__file__).resolve().parent / "_replay_shard_worker.py"
+    try:
+        proc = subprocess.run([sys.executable, str(worker), str(tmp_path)], env=env, capture_output=True, text=True, timeout=240)
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"the 2-process replay run did not finish in {err.timeout} s:\n{err.stderr}")
+    for rank in range(2):
+        path = tmp_path / f"rank{rank}.json"
+        assert proc.returncode == 0 and path.exists(), f"worker failed (exit {proc.returncode}):\n{proc.stderr[-6000:]}"
+        record = json.loads(path.read_text())
+        assert "failure" not in record, record["failure"]
+        errors = record["errors"]
+        # 3 splits (6 + 5, 3 + 8, 11 + 0) x (log-prob, log S, gradient, entropy), a column-parallel head x 3, finiteness
+        assert len(errors) == 16
+        assert all(v <= 1e-12 for v in errors.values()), errors
+        assert "not in their own recorded kept set" in record["raised"]["missing"] and "position (1, 4)" in record["raised"]["missing"]

@@ -610,11 +610,19 @@ class _Recorded:
     def __init__(self, kept: KeptSets) -> None:
         self.kept, self.rows = kept, kept._rows()
 
-    def removed(self, pos: slice, vocab: int) -> Tensor:
+    def removed(self, pos: slice, vocab: int, offset: int = 0) -> Tensor:
+        """``[c, vocab]`` True off the recorded sets of positions ``pos``, over columns ``[offset, offset + vocab)``
+        (a vocabulary shard's: ids of other shards go to a spare column, dropped)."""
         a, b = self.kept.bounds(pos.start, pos.stop)
-        removed = torch.ones((pos.stop - pos.start, vocab), dtype=torch.bool, device=self.rows.device)
-        removed[self.rows[a:b] - pos.start, self.kept.ids[a:b].long()] = False
-        return removed
+        ids = self.kept.ids[a:b].long()
+        if offset:
+            ids = ids - offset
+        spare = offset != 0 or vocab != self.kept.vocab
+        if spare:
+            ids = torch.where((ids >= 0) & (ids < vocab), ids, vocab)
+        removed = torch.ones((pos.stop - pos.start, vocab + spare), dtype=torch.bool, device=self.rows.device)
+        removed[self.rows[a:b] - pos.start, ids] = False
+        return removed[:, :vocab] if spare else removed
 
 
 def _assemble(chosen: dict[int, tuple[Tensor, Tensor]], lead: torch.Size, vocab: int, device: torch.device) -> KeptSets:
@@ -713,7 +721,7 @@ class _Rows(torch.autograd.Function):
         def kept(pos: slice, idx: slice | Tensor) -> None:
             z = src.scores(idx, dtype, 1.0)  # fresh logits in the compute dtype
             if recorded is not None:  # the recorded set, ties at its boundary included, not a recomputed one
-                removed = recorded.removed(pos, src.vocab)
+                removed = recorded.removed(pos, src.vocab, part.offset)
             else:
                 removed = process_scores(z / temp if support is None else support.scores(idx, dtype, temp), sampling) == _NINF
             if record is not None:  # what the processing kept (nothing at ignored positions)
@@ -721,7 +729,7 @@ class _Rows(torch.autograd.Function):
                 chosen[pos.start] = keep.sum(dim=-1), keep.nonzero()[:, 1]
             if want_lp:
                 stats[_ZY, pos] = z.gather(1, col[pos]).squeeze(1)  # type: ignore[index]
-                outside[pos] = removed.gather(1, col[pos]).squeeze(1)  # type: ignore[index]
+                outside[pos] = removed.gather(1, col[pos]).squeeze(1) & owned[pos]  # type: ignore[index]
             # the kept set as a threshold on the logits, for the backward: top-k and min-p keep upper sets of
             # z / T, which are upper sets of z (the rounded division is monotone)
             threshold[pos] = torch.where(removed, float("inf"), z).amin(dim=-1)
@@ -759,17 +767,23 @@ class _Rows(torch.autograd.Function):
             m.masked_fill_(ignored, 0)
             c.masked_fill_(ignored, 0)
             spread.masked_fill_(ignored, 0)
+        call = stats[_CALL]  # the whole vocabulary's log-sum, relative to the shift the chunks used
         if part.ranks > 1:
+            shift = _finite(m)
             m, c, d, lw = part.merge(m, c, temp)
             if want_ent:
                 spread = part.combine(lw, spread - d)
+            if truncated:  # replay on shards: relative to the largest shift, then to the kept top m
+                top, call, _, _ = part.merge(shift, call, temp)
+                call = call + (top - _finite(m)) / temp
         out = torch.zeros(n, dtype=dtype, device=device)
         if want_lp:
             assert owned is not None and ids is not None
             zy = torch.where(owned, zy, 0)
-            if part.split:
-                packed = part.reduce(torch.stack([zy, owned.to(dtype)]), _SUM)
+            if part.split:  # outside (replay): the owner's flag, for every rank
+                packed = part.reduce(torch.stack([zy, owned.to(dtype), outside.to(dtype)]), _SUM)
                 zy, owners = packed[0], packed[1] if ignored is None else packed[1].masked_fill(ignored, 1)
+                outside = packed[2] > 0
                 unowned = owners != 1
                 check_values(
                     unowned,
@@ -784,7 +798,7 @@ class _Rows(torch.autograd.Function):
                 out.div_(temp)
             out.sub_(c)
         ent = c + spread if want_ent else torch.zeros_like(out)
-        log_kept = (stats[_C] - stats[_CALL]) if truncated else torch.zeros_like(out)
+        log_kept = (c - call) if truncated else torch.zeros_like(out)
         if ignored is not None:
             out.masked_fill_(ignored, 0)
             ent.masked_fill_(ignored, 0)
@@ -868,7 +882,7 @@ class _Rows(torch.autograd.Function):
                 else:
                     z = src.scores(idx, dtype, 1.0)
                     if recorded is not None:
-                        removed = recorded.removed(pos, src.vocab)
+                        removed = recorded.removed(pos, src.vocab, part.offset)
                     elif redo:
                         removed = process_scores(z / temp if support is None else support.scores(idx, dtype, temp), sampling) == _NINF
                     else:
