@@ -536,6 +536,7 @@ def reference_logprobs(
     min_p: Optional[float] = None,
     kept_from: Optional[Tensor] = None,
     outside: str = "raise",
+    kept: Any = None,
     **unexpected: Any,
 ) -> Union[Tensor, tuple[Tensor, Tensor]]:
     r"""The reference's log-probs of the response: ``model`` with its adapters off, without gradient.
@@ -551,7 +552,8 @@ def reference_logprobs(
     :func:`lightning_kl.full_kl`). A truncating sampler's kept set is the *policy's*: the reference's
     own top-k or top-p set would give a sampled token that the reference's processing removes a
     log-prob of :math:`-\infty`, an infinite KL term. With ``kept_from=`` (the policy's response
-    logits) the reference is renormalized on the policy's kept set instead (``reference="policy_kept"``).
+    logits) the reference is renormalized on the policy's kept set instead (``reference="policy_kept"``);
+    with ``kept=`` (the rollout's record, as :func:`response_logprobs` takes it) on the recorded sets.
 
     ``sampler_scores`` is refused: the reference is not the sampler (check the policy's log-probs).
 
@@ -569,11 +571,11 @@ def reference_logprobs(
         raise TypeError(f"reference_logprobs() got unexpected keyword argument(s) {sorted(unexpected)}.")
     sampling = _resolve_sampling(sampling, {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p},
                                  "reference_logprobs")
-    if sampling is not None and kept_from is None and sampling.truncates:
+    if sampling is not None and kept_from is None and kept is None and sampling.truncates:
         sampling = Sampling(temperature=sampling.temperature)  # the reference's softmax at the sampler's temperature
     with adapters_disabled(model):
         return _score(model, sequences, attention_mask, prompt_length, sampling, return_logits, kept_from, outside,
-                      None, remember=False)
+                      None, remember=False, kept=kept)
 
 
 # ---------------------------------------------------------------------------------------------

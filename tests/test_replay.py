@@ -307,6 +307,7 @@ def test_ppo_epochs_on_replayed_logprobs_stay_finite_where_todays_scorer_raises(
     mask = torch.ones(y.shape, dtype=torch.bool)
     adv = torch.randn(y.shape[0], 1).expand(y.shape)
     kl_loss = lk.KLPenaltyLoss("k3", coef=0.1)
+    correction = lk.RolloutCorrection("token", upper=2.0, bypass=True)  # the engine's log-probs: the rollout's replayed ones
     opt = torch.optim.SGD(policy.parameters(), lr=2.0)
     raised = False
     for epoch in range(4):
@@ -319,10 +320,12 @@ def test_ppo_epochs_on_replayed_logprobs_stay_finite_where_todays_scorer_raises(
             except ValueError as err:
                 raised = True
                 assert "outside the kept set" in str(err)
-            ratio = torch.exp(lp - old[mb])
+            fixed = correction(lp, old[mb], mask[mb])
+            assert fixed.weights.isfinite().all() and fixed.mask.all()
+            ratio = torch.exp(lp - fixed.old_logprob)
             if epoch == 0 and mb.start == 0:
                 assert torch.equal(ratio, torch.ones_like(ratio))  # on-policy: exactly 1
-            pg = -(torch.min(ratio * adv[mb], ratio.clamp(0.8, 1.2) * adv[mb]))[mask[mb]].mean()
+            pg = -(fixed.weights * torch.min(ratio * adv[mb], ratio.clamp(0.8, 1.2) * adv[mb]))[mask[mb]].mean()
             kl = kl_loss(lp, ref_lp[mb], mask[mb], old[mb])  # importance-weighted by the replayed ratio
             assert kl.isfinite()
             opt.zero_grad()
@@ -508,3 +511,31 @@ def test_replay_on_vocabulary_shards_equals_one_process(tmp_path):
         assert len(errors) == 16
         assert all(v <= 1e-12 for v in errors.values()), errors
         assert "not in their own recorded kept set" in record["raised"]["missing"] and "position (1, 4)" in record["raised"]["missing"]
+
+
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # peft on transformers 5
+def test_hf_reference_replays_the_rollouts_record_as_kept_from_does_on_policy(tiny):
+    peft = pytest.importorskip("peft")
+    import copy
+
+    ex, model, enc = tiny
+    policy = peft.get_peft_model(copy.deepcopy(model), peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"]))
+    torch.manual_seed(2)
+    with torch.no_grad():  # adapters that change the model
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 1.0)
+    policy.eval()
+    s = lk.Sampling(top_p=0.8)
+    torch.manual_seed(3)
+    seq = policy.generate(**enc, max_new_tokens=4, pad_token_id=ex.PAD_ID, eos_token_id=ex.EOS_ID, **s.generate_kwargs(policy))
+    p = enc["input_ids"].shape[1]
+    mask = lk.hf.response_mask(seq[:, p:], ex.EOS_ID)
+    am, _ = lk.hf.sequence_inputs(enc["attention_mask"], mask)
+    with torch.no_grad():
+        _, logits, kept = lk.hf.response_logprobs(policy, seq, am, p, sampling=s, return_logits=True, return_kept=True)
+    got = lk.hf.reference_logprobs(policy, seq, am, p, sampling=s, kept=kept)
+    assert torch.equal(got, lk.hf.reference_logprobs(policy, seq, am, p, sampling=s, kept_from=logits))
+    assert got.isfinite().all() and (got[~mask] == 0).all()
+    # without a record or kept_from: the reference's softmax at the sampler's temperature, another number
+    assert not torch.equal(got, lk.hf.reference_logprobs(policy, seq, am, p, sampling=s))
