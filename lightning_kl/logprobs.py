@@ -310,7 +310,7 @@ def _token_logprobs(
         kept_from = kept_from.detach()
     if kept is not None:
         kept = _replayed(kept, kept_from, part, tokens.shape, src, lead.device)
-    record: Optional[list[Any]] = [] if return_kept else None
+    record: Optional[list[Any]] = [] if return_kept and kept is None else None  # a replay returns its own record
     lp, log_kept, out = token_logprobs_kernel(src, ids, ignored, proc, part, chunk_size, kept_from, kept, record)
     if kept is not None:
         report_missing(out, tokens)
@@ -318,7 +318,7 @@ def _token_logprobs(
         _report_outside(out, tokens, proc)
     if not (return_log_kept or return_kept):
         return lp
-    return (lp,) + ((log_kept,) if return_log_kept else ()) + ((record[0],) if record is not None else ())
+    return (lp,) + ((log_kept,) if return_log_kept else ()) + ((kept if record is None else record[0],) if return_kept else ())
 
 
 def _replayed(kept: Any, kept_from: Any, part: Partition, shape: torch.Size, src: Tensors, device: torch.device) -> KeptSets:

@@ -568,7 +568,8 @@ def token_logprobs_kernel(
     ``kept_from`` (logits ``[..., V]`` of another model, no gradient) chooses the kept set instead of
     ``src``; ``replay`` (checked :class:`~lightning_kl.ground.kept.KeptSets` of the ``n`` positions)
     gives it as recorded. ``record``: a list that receives the kept sets the processing chose
-    (:class:`~lightning_kl.ground.kept.KeptSets` of ``[...]``, empty sets at ignored positions). Returns ``(logprobs, log_kept, outside)``, each ``[...]``: ``logprobs`` differentiable
+    (:class:`~lightning_kl.ground.kept.KeptSets` of ``[...]``, empty sets at ignored positions; whole
+    vocabulary only). Returns ``(logprobs, log_kept, outside)``, each ``[...]``: ``logprobs`` differentiable
     (``-inf`` with zero gradient where the token is outside the kept set), ``log_kept`` without grad
     (0 without truncation), ``outside`` bool. Ignored tokens: 0, 0, False, zero gradient. On a split
     vocabulary each id must be owned by exactly one rank (checked, without a host read off the CPU).
@@ -732,7 +733,8 @@ class _Rows(torch.autograd.Function):
                 outside[pos] = removed.gather(1, col[pos]).squeeze(1) & owned[pos]  # type: ignore[index]
             # the kept set as a threshold on the logits, for the backward: top-k and min-p keep upper sets of
             # z / T, which are upper sets of z (the rounded division is monotone)
-            threshold[pos] = torch.where(removed, float("inf"), z).amin(dim=-1)
+            if recorded is None:  # (a record is read again in backward)
+                threshold[pos] = torch.where(removed, float("inf"), z).amin(dim=-1)
             # the top is kept by generate's rules; another model's kept set, or a recorded one off-policy, may
             # leave it out (on-policy its largest kept logit is the top, bitwise: the same values follow)
             other = support is not None or recorded is not None
