@@ -231,6 +231,12 @@ def test_an_engines_pair_a_mask_and_a_mini_batch_of_the_record_replay_alike():
     y = rollout(z, s, seed=10)
     lp, kept = lk.token_logprobs(z, y, sampling=s, return_kept=True)
     assert torch.equal(lk.token_logprobs(z, y, sampling=s, kept=(kept.ids.long(), kept.offsets)), lp)
+    assert torch.equal(lk.token_logprobs(z, y, sampling=s, kept=kept.to("cpu")), lp)
+    import copy
+    import pickle
+
+    assert torch.equal(lk.token_logprobs(z, y, sampling=s, kept=pickle.loads(pickle.dumps(kept))), lp)  # a replay buffer's copy
+    assert torch.equal(lk.token_logprobs(z, y, sampling=s, kept=copy.deepcopy(kept)), lp)
     again, same = lk.token_logprobs(z, y, sampling=s, kept=kept, return_kept=True)  # a replay returns its record
     assert same is kept and torch.equal(again, lp)
     assert torch.equal(lk.token_logprobs(z, y, sampling=s, kept=KeptSets.from_mask(kept.to_mask())), lp)

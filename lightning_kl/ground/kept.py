@@ -130,6 +130,14 @@ class KeptSets:
     def device(self) -> torch.device:
         return self.ids.device
 
+    def to(self, device: Union[str, torch.device]) -> "KeptSets":
+        """The same record on ``device`` (no validation again: the offsets' host copy is shared)."""
+        out = object.__new__(KeptSets)
+        out.ids, out.offsets, out.shape, out.vocab, out._host = (
+            self.ids.to(device), self.offsets.to(device), self.shape, self.vocab, self._host
+        )
+        return out
+
     def sizes(self) -> Tensor:
         """``[*shape]`` the number of ids of each position's set (int64)."""
         return (self.offsets[1:] - self.offsets[:-1]).view(self.shape)
