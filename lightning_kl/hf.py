@@ -215,7 +215,9 @@ def response_logprobs(
     kept_from: Optional[Tensor] = None,
     outside: str = "raise",
     sampler_scores: Union[Sequence[Tensor], Tensor, None] = None,
-) -> Union[Tensor, tuple[Tensor, Tensor]]:
+    kept: Any = None,
+    return_kept: bool = False,
+) -> Any:
     r"""Log-probs of the response tokens under ``model``: one forward pass, float32, differentiable.
 
     .. math::
@@ -261,6 +263,13 @@ def response_logprobs(
             one host read) and a :class:`SamplerMismatchWarning` with the figures is given, once per
             model, when they disagree beyond float noise: the mean ratio off 1 by more than ``1e-3``,
             or more than 1% of the tokens outside ``[0.99, 1.01]``.
+        kept: replay: the response positions' kept sets recorded at rollout time (``[b, t]``: from
+            ``return_kept=True`` on the rollout, or ``KeptSets.from_scores(out.scores)`` of ``generate``'s
+            processed scores): the log-probs of the current model renormalized on them
+            (:func:`lightning_kl.token_logprobs` with ``kept=``), finite off-policy. Positions after EOS
+            are not scored (0) and may hold any set.
+        return_kept: also return the kept sets of the response positions (``[b, t]``, empty after EOS;
+            None without truncation), last in the returned tuple.
 
     Raises:
         ValueError: if ``sequences`` and ``attention_mask`` differ in shape, ``prompt_length`` is
@@ -279,7 +288,7 @@ def response_logprobs(
     sampling = _resolve_sampling(sampling, {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p},
                                  "response_logprobs")
     return _score(model, sequences, attention_mask, prompt_length, sampling, return_logits, kept_from, outside,
-                  sampler_scores, remember=True)
+                  sampler_scores, remember=True, kept=kept, return_kept=return_kept)
 
 
 def _resolve_sampling(sampling: Optional[Sampling], separate: dict[str, Any], call: str) -> Optional[Sampling]:
@@ -337,14 +346,15 @@ def _remember_sampler(model: Any, sampling: Optional[Sampling]) -> None:
 
 
 def _score(model: Any, sequences: Tensor, attention_mask: Tensor, prompt_length: int, sampling: Optional[Sampling],
-           return_logits: bool, kept_from: Optional[Tensor], outside: str, sampler_scores: Any, remember: bool) -> Any:
+           return_logits: bool, kept_from: Optional[Tensor], outside: str, sampler_scores: Any, remember: bool,
+           kept: Any = None, return_kept: bool = False) -> Any:
     if remember:
         _remember_sampler(model, sampling)
     if sampling is None:
         sampling = Sampling()
     temperature, top_k, top_p, min_p = sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p
     temperature = check_temperature(temperature)  # before the forward pass, not after it
-    processed = check_processing(temperature, top_k, top_p, min_p).truncates or kept_from is not None
+    processed = check_processing(temperature, top_k, top_p, min_p).truncates or kept_from is not None or kept is not None
     t = sequences.shape[1] - prompt_length
     if sampler_scores is not None:
         sampler_scores = _checked_scores(sampler_scores, sequences.shape[0], t)
@@ -358,13 +368,17 @@ def _score(model: Any, sequences: Tensor, attention_mask: Tensor, prompt_length:
     if processed:
         # positions after EOS were not sampled: the sampler's kept set says nothing about them
         tokens = sequences[:, prompt_length:].masked_fill(attention_mask[:, prompt_length:] == 0, -100)
-        logprobs = token_logprobs(logits, tokens, sampling=sampling, ignore_index=-100, outside=outside, kept_from=kept_from)
+        logprobs = token_logprobs(logits, tokens, sampling=sampling, ignore_index=-100, outside=outside, kept_from=kept_from,
+                                  kept=kept, return_kept=return_kept)
     else:
-        logprobs = token_logprobs(logits, sequences[:, prompt_length:], sampling=sampling)
+        logprobs = token_logprobs(logits, sequences[:, prompt_length:], sampling=sampling, return_kept=return_kept)
+    logprobs, recorded = logprobs if return_kept else (logprobs, None)
     if sampler_scores is not None:
         _check_against_sampler(model, logprobs, sampler_scores, sequences[:, prompt_length:],
                                attention_mask[:, prompt_length:] != 0)
-    return (logprobs, logits) if return_logits else logprobs
+    if not (return_logits or return_kept):
+        return logprobs
+    return (logprobs,) + ((logits,) if return_logits else ()) + ((recorded,) if return_kept else ())
 
 
 class SamplerMismatchWarning(UserWarning):
@@ -522,6 +536,7 @@ def reference_logprobs(
     min_p: Optional[float] = None,
     kept_from: Optional[Tensor] = None,
     outside: str = "raise",
+    kept: Any = None,
     **unexpected: Any,
 ) -> Union[Tensor, tuple[Tensor, Tensor]]:
     r"""The reference's log-probs of the response: ``model`` with its adapters off, without gradient.
@@ -537,7 +552,8 @@ def reference_logprobs(
     :func:`lightning_kl.full_kl`). A truncating sampler's kept set is the *policy's*: the reference's
     own top-k or top-p set would give a sampled token that the reference's processing removes a
     log-prob of :math:`-\infty`, an infinite KL term. With ``kept_from=`` (the policy's response
-    logits) the reference is renormalized on the policy's kept set instead (``reference="policy_kept"``).
+    logits) the reference is renormalized on the policy's kept set instead (``reference="policy_kept"``);
+    with ``kept=`` (the rollout's record, as :func:`response_logprobs` takes it) on the recorded sets.
 
     ``sampler_scores`` is refused: the reference is not the sampler (check the policy's log-probs).
 
@@ -555,11 +571,11 @@ def reference_logprobs(
         raise TypeError(f"reference_logprobs() got unexpected keyword argument(s) {sorted(unexpected)}.")
     sampling = _resolve_sampling(sampling, {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p},
                                  "reference_logprobs")
-    if sampling is not None and kept_from is None and sampling.truncates:
+    if sampling is not None and kept_from is None and kept is None and sampling.truncates:
         sampling = Sampling(temperature=sampling.temperature)  # the reference's softmax at the sampler's temperature
     with adapters_disabled(model):
         return _score(model, sequences, attention_mask, prompt_length, sampling, return_logits, kept_from, outside,
-                      None, remember=False)
+                      None, remember=False, kept=kept)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,7 +17,8 @@ validates its inputs once and hands them to one chunked engine (:mod:`lightning_
 float32 maths (float64 for float64 inputs), exact gradients in each input's dtype, no ``[..., V]``
 float32 copy, ``O(n)`` numbers kept between forward and backward. The sampler's truncation (top-k,
 top-p, min-p) needs whole rows: on a vocabulary split over ranks it is refused with an error naming
-the combination (pass the temperature alone, or gather those rows).
+the combination (pass the temperature alone, or gather those rows); a recorded kept set
+(``kept=``, replay) works there.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from lightning_kl.ground.checks import (
     check_values,
 )
 from lightning_kl.inputs import check_chunk_size, check_full_hidden_inputs, check_full_inputs, check_head, check_logit_transform, check_tokens
+from lightning_kl.ground.kept import KeptSets, as_kept_sets, check_nonempty, report_missing
 from lightning_kl.ground.sampler import Sampling
 from lightning_kl.ground.vocab_shards import VocabShard, is_vocab_parallel
 from lightning_kl.kernels.divergence import Divergence, check_divergence
@@ -200,6 +202,8 @@ def token_logprobs(
     kept_from: Optional[Tensor] = None,
     return_log_kept: bool = False,
     chunk_size: Optional[int] = None,
+    kept: Any = None,
+    return_kept: bool = False,
     **legacy: Any,
 ) -> Any:
     r"""Log-probabilities of ``tokens`` under ``softmax(z / T)``, or under the sampler's processed distribution.
@@ -228,13 +232,26 @@ def token_logprobs(
         return_log_kept: also return :math:`\log S` per token (without grad; 0 without truncation).
         chunk_size: rows per chunk (default: about :math:`2^{19}` logits per chunk on CPU, :math:`2^{25}`
             on GPU; from hidden states :math:`2^{23}` on CPU and at least 16 rows).
+        kept: replay: the kept sets recorded when the tokens were sampled (``return_kept=True`` at rollout
+            time, or an inference engine's record: :class:`~lightning_kl.ground.kept.KeptSets`, or the
+            pair ``(ids, offsets)`` shaped like ``tokens``). The distribution is ``softmax(z / T)``
+            renormalized on each position's recorded set, ties at its boundary included; the sampler's
+            top-k, top-p and min-p are not applied again. On-policy this is the processed log-prob
+            bitwise; off-policy it is finite for every sampled token, with the gradient
+            :math:`([j = y] - [j \in K] \tilde p_j) / T`. A sampled token missing from its own set
+            fails (position named). Logits, :class:`FromHidden` and vocabulary shards (there a
+            :class:`~lightning_kl.ground.kept.KeptSets`, the same on every rank); not with ``kept_from``.
+        return_kept: also return the kept set of every position
+            (:class:`~lightning_kl.ground.kept.KeptSets` shaped like ``tokens``, empty at ignored
+            positions; None when the sampler keeps the whole vocabulary), to replay later with
+            ``kept=``. Recording reads the sets' sizes on the host (one sync per chunk off the CPU).
 
     The deprecated ``temperature``, ``top_k``, ``top_p``, ``min_p`` keywords (and a positional
     temperature and ignore_index) still work, with a ``DeprecationWarning``: pass ``sampling=``.
 
     Returns:
-        ``[...]`` log-probs, float32 (float64 for float64 inputs), or ``(logprobs, log_kept)`` with
-        ``return_log_kept``.
+        ``[...]`` log-probs, float32 (float64 for float64 inputs); with ``return_log_kept`` and
+        ``return_kept``, a tuple ``(logprobs, log_kept, kept)`` of those asked for, in that order.
 
     Raises:
         TypeError: for inputs that are not floating point, tokens that are not integers, a bad ``sampling``.
@@ -253,6 +270,12 @@ def token_logprobs(
         >>> z = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
         >>> token_logprobs(z, torch.tensor([1]), sampling=Sampling(top_k=2), return_log_kept=True)
         (tensor([-1.3133]), tensor([-0.1269]))
+        >>> lp, kept = token_logprobs(z, torch.tensor([1]), sampling=Sampling(top_k=2), return_kept=True)
+        >>> kept.to_mask()  # the rollout's kept set, recorded
+        tensor([[ True,  True, False, False]])
+        >>> later = torch.tensor([[0.0, 1.0, 2.0, -1.0]])  # the policy moved: token 1 left its top-2
+        >>> token_logprobs(later, torch.tensor([1]), sampling=Sampling(top_k=2), kept=kept)  # renormalized on {0, 1}
+        tensor([-0.3133])
     """
     if legacy_args:
         if len(legacy_args) > 2:
@@ -267,12 +290,15 @@ def token_logprobs(
         if len(legacy_args) == 2:
             ignore_index = legacy_args[1]
     proc = _sampling(sampling, legacy, "token_logprobs", warn=not legacy_args)
-    return _token_logprobs(x, tokens, proc, ignore_index, outside, kept_from, return_log_kept, chunk_size)
+    return _token_logprobs(x, tokens, proc, ignore_index, outside, kept_from, return_log_kept, chunk_size, kept, return_kept)
 
 
 def _token_logprobs(
-    x: Any, tokens: Tensor, proc: Sampling, ignore_index: Any, outside: Any, kept_from: Any, return_log_kept: bool, chunk_size: Any
+    x: Any, tokens: Tensor, proc: Sampling, ignore_index: Any, outside: Any, kept_from: Any, return_log_kept: bool, chunk_size: Any,
+    kept: Any = None, return_kept: bool = False,
 ) -> Any:
+    if kept is not None:  # the record replaces the sampler's truncation: its temperature only
+        proc = Sampling(proc.temperature)
     src, part, lead = _source(x, "x" if isinstance(x, FromHidden) else "logits", proc)
     outside = _check_outside(outside)
     check_chunk_size(chunk_size)
@@ -283,10 +309,29 @@ def _token_logprobs(
             raise ValueError("`kept_from` takes whole logits `x` (not lk.FromHidden nor a vocabulary shard).")
         check_matching("logits", src.x, "kept_from", kept_from)
         kept_from = kept_from.detach()
-    lp, log_kept, out = token_logprobs_kernel(src, ids, ignored, proc, part, chunk_size, kept_from)
-    if (proc.truncates or kept_from is not None) and outside == "raise":
+    if kept is not None:
+        kept = _replayed(kept, kept_from, part, tokens.shape, src, lead.device)
+    record: Optional[list[Any]] = [] if return_kept and kept is None else None  # a replay returns its own record
+    lp, log_kept, out = token_logprobs_kernel(src, ids, ignored, proc, part, chunk_size, kept_from, kept, record)
+    if kept is not None:
+        report_missing(out, tokens)
+    elif (proc.truncates or kept_from is not None) and outside == "raise":
         _report_outside(out, tokens, proc)
-    return (lp, log_kept) if return_log_kept else lp
+    if not (return_log_kept or return_kept):
+        return lp
+    return (lp,) + ((log_kept,) if return_log_kept else ()) + ((kept if record is None else record[0],) if return_kept else ())
+
+
+def _replayed(kept: Any, kept_from: Any, part: Partition, shape: torch.Size, src: Tensors, device: torch.device) -> KeptSets:
+    """``kept=`` checked for replay on this source (no ``kept_from``; on a vocabulary shard a
+    :class:`KeptSets`, whose vocabulary the shards are not checked against)."""
+    if kept_from is not None:
+        raise ValueError("`kept` (replay) and `kept_from` choose the kept set each: pass one.")
+    if part.split:
+        if not isinstance(kept, KeptSets):
+            raise TypeError("on a vocabulary shard `kept` must be a KeptSets (lightning_kl.ground.kept), which names the vocabulary size.")
+        return as_kept_sets(kept, shape, kept.vocab, device)
+    return as_kept_sets(kept, shape, src.x.shape[-1] if src.weight is None else src.weight.shape[0], device)
 
 
 def token_entropy(
@@ -295,6 +340,7 @@ def token_entropy(
     *,
     sampling: Optional[Sampling] = None,
     chunk_size: Optional[int] = None,
+    kept: Any = None,
 ) -> Tensor:
     r"""Per-token entropy :math:`H = -\sum_i \tilde p_i \log \tilde p_i` of the (processed) distribution.
 
@@ -307,6 +353,8 @@ def token_entropy(
         mask: optional ``[...]``, True on valid tokens (value 0 and gradient exactly 0 elsewhere).
         sampling: the sampler (None: ``softmax(z)``); truncation is refused on a split vocabulary.
         chunk_size: rows per chunk.
+        kept: replay (as :func:`token_logprobs`): the entropy of ``softmax(z / T)`` renormalized on each
+            position's recorded kept set; every valid position's set must hold a token (named otherwise).
 
     Returns:
         ``[...]`` entropy per token (nats), float32 (float64 for float64 inputs).
@@ -318,10 +366,15 @@ def token_entropy(
         tensor([0.])
     """
     proc = _sampling(sampling, {}, "token_entropy")
+    if kept is not None:  # the record replaces the sampler's truncation
+        proc = Sampling(proc.temperature)
     src, part, lead = _source(x, "x" if isinstance(x, FromHidden) else "logits", proc)
     check_chunk_size(chunk_size)
     mask = check_mask(mask, lead, "hidden" if src.weight is not None else "logits", without="the last dimension")
-    return entropy_kernel(src, None if mask is None else ~mask.reshape(-1), proc, part, chunk_size)
+    if kept is not None:
+        kept = _replayed(kept, None, part, lead.shape[:-1], src, lead.device)
+        check_nonempty(kept, mask)
+    return entropy_kernel(src, None if mask is None else ~mask.reshape(-1), proc, part, chunk_size, kept)
 
 
 def token_logprobs_and_entropy(
@@ -332,6 +385,7 @@ def token_logprobs_and_entropy(
     ignore_index: Optional[int] = None,
     outside: str = "raise",
     chunk_size: Optional[int] = None,
+    kept: Any = None,
 ) -> tuple[Tensor, Tensor]:
     r""":func:`token_logprobs` and :func:`token_entropy` from one read of the vocabulary per chunk.
 
@@ -340,7 +394,8 @@ def token_logprobs_and_entropy(
     writer (from a head: one float32 ``[V, d]`` accumulator, not two). The values equal the two calls';
     the entropy is that of the distribution the log-probs are taken under (the sampler's processed one).
     ``x``, ``tokens``, ``sampling``, ``ignore_index`` (0 in both outputs, zero gradient), ``outside``
-    (the log-prob; the entropy is the row's) and ``chunk_size`` as :func:`token_logprobs`, whose errors it raises.
+    (the log-prob; the entropy is the row's), ``chunk_size`` and ``kept`` (replay) as :func:`token_logprobs`,
+    whose errors it raises.
 
     Returns:
         ``(logprobs, entropy)``, each ``[...]``, float32 (float64 for float64 inputs).
@@ -354,13 +409,19 @@ def token_logprobs_and_entropy(
         tensor([-0.5000,  0.5000])
     """
     proc = _sampling(sampling, {}, "token_logprobs_and_entropy")
+    if kept is not None:  # the record replaces the sampler's truncation
+        proc = Sampling(proc.temperature)
     src, part, lead = _source(x, "x" if isinstance(x, FromHidden) else "logits", proc)
     outside = _check_outside(outside)
     check_chunk_size(chunk_size)
     vocab = None if part.split else (src.x.shape[-1] if src.weight is None else src.weight.shape[0])
     ids, ignored = check_tokens(tokens, lead.shape[:-1], vocab, lead.device, "hidden" if src.weight is not None else "logits", ignore_index)
-    lp, ent, out = token_logprobs_entropy_kernel(src, ids, ignored, proc, part, chunk_size)
-    if proc.truncates and outside == "raise":
+    if kept is not None:
+        kept = _replayed(kept, None, part, tokens.shape, src, lead.device)
+    lp, ent, out = token_logprobs_entropy_kernel(src, ids, ignored, proc, part, chunk_size, kept)
+    if kept is not None:
+        report_missing(out, tokens)
+    elif proc.truncates and outside == "raise":
         _report_outside(out, tokens, proc)
     return lp, ent
 

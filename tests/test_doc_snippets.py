@@ -94,6 +94,14 @@ def run_fragment(code: str, **extra: Any) -> dict[str, Any]:
 # --- Hugging Face: a tiny Qwen2 and the example's character tokenizer, built here (no hub) ------
 
 
+def run_sampling_replay(code: str, mp: Any) -> None:
+    """docs/sampling.md's replay: the ratio is exactly 1 on-policy, and the loss has a gradient."""
+    ns = run_fragment(code)
+    assert torch.equal(ns["ratio"], torch.ones_like(ns["ratio"]))
+    ns["kl_loss"].backward()
+    assert ns["logits"].grad.isfinite().all()
+
+
 def _hf_example() -> Any:
     pytest.importorskip("transformers")
     pytest.importorskip("peft")
@@ -433,6 +441,7 @@ RUNNERS: dict[tuple[str, int], Callable[..., None]] = {
     ("docs/sampling.md", 2): lambda code, mp: run_fragment(code),
     ("docs/sampling.md", 3): lambda code, mp: run_fragment(code),
     ("docs/sampling.md", 4): lambda code, mp: run_fragment(code),
+    ("docs/sampling.md", 5): run_sampling_replay,
     ("docs/scale.md", 0): lambda code, mp: run_fragment(code),
     ("docs/scale.md", 1): lambda code, mp: run_fragment(code, micro_batches=[{"mask": _tensors()["mask"]}]),
     ("docs/scale.md", 2): run_defs,

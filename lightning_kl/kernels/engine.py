@@ -86,6 +86,7 @@ from torch.autograd.function import once_differentiable
 
 from lightning_kl.ground.checks import check_values, compute_dtype, host_reads
 from lightning_kl.ground.chunks import run_chunks
+from lightning_kl.ground.kept import KeptSets
 from lightning_kl.ground.sampler import Sampling, process_scores
 from lightning_kl.kernels.divergence import check_divergence, kl_weights
 
@@ -558,6 +559,8 @@ def token_logprobs_kernel(
     part: Partition = WHOLE,
     chunk_size: Optional[int] = None,
     kept_from: Optional[Tensor] = None,
+    replay: Optional[KeptSets] = None,
+    record: Optional[list[Any]] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     r"""Log-probs of ``ids [n]`` (int64; in ``[0, V)`` for the whole vocabulary, global ids on a split)
     under the processed distribution of a checked source, with the kept log-mass and the outside flags.
@@ -566,22 +569,27 @@ def token_logprobs_kernel(
     normalizer once); ``logprobs`` and ``outside`` are then ``[..., k]``, and the gradient w.r.t. the
     logits is the sum of the ``k`` tokens' (:math:`\sum_j g_j [i = y_j] - \tilde p_i \sum_j g_j`).
     ``kept_from`` (logits ``[..., V]`` of another model, no gradient) chooses the kept set instead of
-    ``src``. Returns ``(logprobs, log_kept, outside)``, each ``[...]``: ``logprobs`` differentiable
+    ``src``; ``replay`` (checked :class:`~lightning_kl.ground.kept.KeptSets` of the ``n`` positions)
+    gives it as recorded. ``record``: a list that receives the kept sets the processing chose
+    (:class:`~lightning_kl.ground.kept.KeptSets` of ``[...]``, empty sets at ignored positions; whole
+    vocabulary only). Returns ``(logprobs, log_kept, outside)``, each ``[...]``: ``logprobs`` differentiable
     (``-inf`` with zero gradient where the token is outside the kept set), ``log_kept`` without grad
     (0 without truncation), ``outside`` bool. Ignored tokens (``ignored [n]``, whole rows): 0, 0, False,
     zero gradient. On a split vocabulary each id must be owned by exactly one rank (checked, without a
     host read off the CPU).
     """
-    lp, _, log_kept, outside = _Rows.apply(*src, kept_from, ids, ignored, sampling, part, chunk_size, True, False)
+    lp, _, log_kept, outside = _Rows.apply(*src, kept_from, ids, ignored, sampling, part, chunk_size, True, False, replay, record)
     return lp, log_kept, outside
 
 
 def entropy_kernel(
-    src: Tensors, invalid: Optional[Tensor], sampling: Sampling, part: Partition = WHOLE, chunk_size: Optional[int] = None
+    src: Tensors, invalid: Optional[Tensor], sampling: Sampling, part: Partition = WHOLE, chunk_size: Optional[int] = None,
+    replay: Optional[KeptSets] = None,
 ) -> Tensor:
     r"""Per-token entropy :math:`H = -\sum_i \tilde p_i \log \tilde p_i` ``[...]`` of the processed
-    distribution of a checked source (``invalid``: None or ``[n]`` bool, value 0 and gradient 0 there)."""
-    return _Rows.apply(*src, None, None, invalid, sampling, part, chunk_size, False, True)[1]
+    distribution of a checked source (``invalid``: None or ``[n]`` bool, value 0 and gradient 0 there),
+    on the recorded kept sets with ``replay``."""
+    return _Rows.apply(*src, None, None, invalid, sampling, part, chunk_size, False, True, replay, None)[1]
 
 
 def token_logprobs_entropy_kernel(
@@ -591,12 +599,43 @@ def token_logprobs_entropy_kernel(
     sampling: Sampling,
     part: Partition = WHOLE,
     chunk_size: Optional[int] = None,
+    replay: Optional[KeptSets] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`token_logprobs_kernel` and :func:`entropy_kernel` from one read of the vocabulary per chunk:
     ``(logprobs, entropy, outside)``, the first two differentiable through one backward pass (one
-    gradient writer). Ignored tokens: 0, 0, False, zero gradient."""
-    lp, ent, _, outside = _Rows.apply(*src, None, ids, ignored, sampling, part, chunk_size, True, True)
+    gradient writer). Ignored tokens: 0, 0, False, zero gradient. ``replay`` as :func:`token_logprobs_kernel`."""
+    lp, ent, _, outside = _Rows.apply(*src, None, ids, ignored, sampling, part, chunk_size, True, True, replay, None)
     return lp, ent, outside
+
+
+class _Recorded:
+    """Recorded kept sets read by chunks of positions: each chunk's ``[c, V]`` mask of removed tokens from
+    its own ids (bounds from the host copy of the offsets: no device sync)."""
+
+    def __init__(self, kept: KeptSets) -> None:
+        self.kept, self.rows = kept, kept._rows()
+
+    def removed(self, pos: slice, vocab: int, offset: int = 0) -> Tensor:
+        """``[c, vocab]`` True off the recorded sets of positions ``pos``, over columns ``[offset, offset + vocab)``
+        (a vocabulary shard's: ids of other shards go to a spare column, dropped)."""
+        a, b = self.kept.bounds(pos.start, pos.stop)
+        ids = self.kept.ids[a:b].long()
+        if offset:
+            ids = ids - offset
+        spare = offset != 0 or vocab != self.kept.vocab
+        if spare:
+            ids = torch.where((ids >= 0) & (ids < vocab), ids, vocab)
+        removed = torch.ones((pos.stop - pos.start, vocab + spare), dtype=torch.bool, device=self.rows.device)
+        removed[self.rows[a:b] - pos.start, ids] = False
+        return removed[:, :vocab] if spare else removed
+
+
+def _assemble(chosen: dict[int, tuple[Tensor, Tensor]], lead: torch.Size, vocab: int, device: torch.device) -> KeptSets:
+    """The recording's chunks (sizes and ids, by first position) as one :class:`KeptSets` of ``lead``."""
+    keys = sorted(chosen)
+    counts = torch.cat([chosen[k][0] for k in keys]) if keys else torch.zeros(0, dtype=torch.int64, device=device)
+    ids = torch.cat([chosen[k][1] for k in keys]) if keys else torch.zeros(0, dtype=torch.int64, device=device)
+    return KeptSets(ids, torch.cat([counts.new_zeros(1), counts.cumsum(0)]), lead, vocab)
 
 
 # the rows of _Rows' per-row statistics: the shift m (largest kept logit), the log-sum c over the kept
@@ -627,13 +666,17 @@ class _Rows(torch.autograd.Function):
         chunk_size: Optional[int],
         want_lp: bool,
         want_ent: bool,
+        replay: Optional[KeptSets],
+        record: Optional[list[Any]],
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         ctx.set_materialize_grads(False)
         src = Source(Tensors(x, weight, bias, head))
         support = None if kept_from is None else Source(Tensors(kept_from))
         srcs = (src,) if support is None else (src, support)
         n, dtype, device, temp = src.n, compute_dtype(x), x.device, sampling.temperature
-        truncated = sampling.truncates or support is not None
+        truncated = sampling.truncates or support is not None or replay is not None
+        recorded = _Recorded(replay) if replay is not None else None
+        chosen: dict[int, tuple[Tensor, Tensor]] = {}  # the recording's chunks, by first position
         rows = src.chunk_rows(chunk_size, tiled=not truncated)
         col = owned = None
         k = 1 if ids is None or ids.dim() == 1 else ids.shape[1]  # ids [n], or k ids per row [n, k]
@@ -684,19 +727,28 @@ class _Rows(torch.autograd.Function):
 
         def kept(pos: slice, idx: slice | Tensor) -> None:
             z = src.scores(idx, dtype, 1.0)  # fresh logits in the compute dtype
-            removed = process_scores(z / temp if support is None else support.scores(idx, dtype, temp), sampling) == _NINF
+            if recorded is not None:  # the recorded set, ties at its boundary included, not a recomputed one
+                removed = recorded.removed(pos, src.vocab, part.offset)
+            else:
+                removed = process_scores(z / temp if support is None else support.scores(idx, dtype, temp), sampling) == _NINF
+            if record is not None:  # what the processing kept (nothing at ignored positions)
+                keep = ~removed if ignored is None else ~removed & ~ignored[pos].unsqueeze(1)
+                chosen[pos.start] = keep.sum(dim=-1), keep.nonzero()[:, 1]
             if want_lp:
                 zy[pos] = z.gather(1, col[pos])  # type: ignore[index]
-                outside[pos] = removed.gather(1, col[pos])  # type: ignore[index]
+                outside[pos] = removed.gather(1, col[pos]) & owned[pos]  # type: ignore[index]
             # the kept set as a threshold on the logits, for the backward: top-k and min-p keep upper sets of
             # z / T, which are upper sets of z (the rounded division is monotone)
-            threshold[pos] = torch.where(removed, float("inf"), z).amin(dim=-1)
-            # the top is kept by generate's rules; another model's kept set may leave it out
-            m = z.amax(dim=-1, keepdim=True) if support is None else z.masked_fill(removed, _NINF).amax(dim=-1, keepdim=True)
+            if recorded is None:  # (a record is read again in backward)
+                threshold[pos] = torch.where(removed, float("inf"), z).amin(dim=-1)
+            # the top is kept by generate's rules; another model's kept set, or a recorded one off-policy, may
+            # leave it out (on-policy its largest kept logit is the top, bitwise: the same values follow)
+            other = support is not None or recorded is not None
+            m = z.masked_fill(removed, _NINF).amax(dim=-1, keepdim=True) if other else z.amax(dim=-1, keepdim=True)
             e = z.sub_(_finite(m))
             if temp != 1.0:
                 e.div_(temp)
-            if support is None:
+            if not other:
                 u = e.exp_()
                 stats[_CALL, pos] = u.sum(dim=-1).log_()
                 u.masked_fill_(removed, 0)
@@ -716,22 +768,30 @@ class _Rows(torch.autograd.Function):
                 whole(pos, idx, state)
 
         _run(work, srcs, rows, state=True)
+        if record is not None:
+            record.append(_assemble(chosen, src.lead, src.vocab, device) if truncated else None)
         m, c, spread = stats[_M], stats[_C], stats[_A]
         if ignored is not None:  # NaN logits of ignored rows stay out of the group's max and of the values
             m.masked_fill_(ignored, 0)
             c.masked_fill_(ignored, 0)
             spread.masked_fill_(ignored, 0)
+        call = stats[_CALL]  # the whole vocabulary's log-sum, relative to the shift the chunks used
         if part.ranks > 1:
+            shift = _finite(m)
             m, c, d, lw = part.merge(m, c, temp)
             if want_ent:
                 spread = part.combine(lw, spread - d)
+            if truncated:  # replay on shards: relative to the largest shift, then to the kept top m
+                top, call, _, _ = part.merge(shift, call, temp)
+                call = call + (top - _finite(m)) / temp
         out = torch.zeros(n, dtype=dtype, device=device)
         if want_lp:
             assert owned is not None and ids is not None
             zy = torch.where(owned, zy, 0)
-            if part.split:
-                packed = part.reduce(torch.stack([zy, owned.to(dtype)]), _SUM)
+            if part.split:  # outside (replay): the owner's flag, for every rank
+                packed = part.reduce(torch.stack([zy, owned.to(dtype), outside.to(dtype)]), _SUM)
                 zy, owners = packed[0], packed[1] if ignored is None else packed[1].masked_fill(ignored.unsqueeze(1), 1)
+                outside = packed[2] > 0
                 unowned = owners != 1
                 check_values(
                     unowned,
@@ -748,7 +808,7 @@ class _Rows(torch.autograd.Function):
         else:
             out = torch.zeros((n, k), dtype=dtype, device=device)
         ent = c + spread if want_ent else torch.zeros_like(c)
-        log_kept = (stats[_C] - stats[_CALL]) if truncated else torch.zeros_like(c)
+        log_kept = (c - call) if truncated else torch.zeros_like(c)
         if ignored is not None:
             out.masked_fill_(ignored.unsqueeze(1), 0)
             ent.masked_fill_(ignored, 0)
@@ -756,7 +816,7 @@ class _Rows(torch.autograd.Function):
             outside.masked_fill_(ignored.unsqueeze(1), False)
         out.masked_fill_(outside, _NINF)
         ctx.save_for_backward(x, weight, bias, kept_from)
-        ctx.saved = (col, owned, ignored, outside, m, c, spread, threshold)
+        ctx.saved = (col, owned, ignored, outside, m, c, spread, threshold, recorded)
         ctx.sampling, ctx.part, ctx.rows, ctx.truncated, ctx.want = sampling, part, rows, truncated, (want_lp, want_ent)
         ctx.head = head
         lead = src.lead
@@ -769,9 +829,9 @@ class _Rows(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, g_lp: Optional[Tensor], g_ent: Optional[Tensor], _g_kept: Any, _g_outside: Any) -> tuple[Optional[Tensor], ...]:
         x, weight, bias, kept_from = ctx.saved_tensors
-        col, owned, ignored, outside, m, c, spread, threshold = ctx.saved
+        col, owned, ignored, outside, m, c, spread, threshold, recorded = ctx.saved
         sampling, part, (want_lp, want_ent) = ctx.sampling, ctx.part, ctx.want
-        nones = (None,) * 8
+        nones = (None,) * 10
         src = Source(Tensors(x, weight, bias, ctx.head))
         support = None if kept_from is None else Source(Tensors(kept_from))
         dtype, temp = m.dtype, sampling.temperature
@@ -808,7 +868,7 @@ class _Rows(torch.autograd.Function):
         shift = m.unsqueeze(1)
         # top-p splits tied scores at its boundary, and another model's kept set is no threshold on
         # these logits: the processing runs again there (the same ops on the same numbers)
-        redo = sampling.top_p is not None or support is not None
+        redo = sampling.top_p is not None or support is not None or recorded is not None
 
         def work(item: tuple[slice, slice | Tensor], state: Any) -> None:
             pos, idx = item
@@ -832,7 +892,9 @@ class _Rows(torch.autograd.Function):
                     del chunk
                 else:
                     z = src.scores(idx, dtype, 1.0)
-                    if redo:
+                    if recorded is not None:
+                        removed = recorded.removed(pos, src.vocab, part.offset)
+                    elif redo:
                         removed = process_scores(z / temp if support is None else support.scores(idx, dtype, temp), sampling) == _NINF
                     else:
                         removed = z < threshold[pos].unsqueeze(1)
