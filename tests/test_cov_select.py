@@ -301,3 +301,15 @@ def test_verls_per_micro_batch_choice_depends_on_the_split_as_docs_say(
              for i in range(0, 64, micro)]  # fmt: skip
     per = torch.cat(parts)
     assert (int(whole.sum()), int(per.sum()), int((per & whole).sum())) == (want_global, want_verl, want_overlap)
+
+
+def test_clip_cov_draws_its_permutation_from_the_generator_given() -> None:
+    d = _data(seed=2)
+    kw = {"loss_mode": "clip_cov", "fraction": 0.02, "old_logprob": d["old"]}
+    a = lk.covariance_mask(d["lp"], d["adv"], d["mask"], generator=torch.Generator().manual_seed(5), **kw)
+    torch.manual_seed(0)
+    b = lk.covariance_mask(d["lp"], d["adv"], d["mask"], generator=torch.Generator().manual_seed(5), **kw)
+    torch.manual_seed(5)
+    c = lk.covariance_mask(d["lp"], d["adv"], d["mask"], **kw)  # the global generator in the same state
+    other = lk.covariance_mask(d["lp"], d["adv"], d["mask"], generator=torch.Generator().manual_seed(6), **kw)
+    assert torch.equal(a, b) and torch.equal(a, c) and not torch.equal(a, other)
