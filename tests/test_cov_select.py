@@ -313,3 +313,15 @@ def test_clip_cov_draws_its_permutation_from_the_generator_given() -> None:
     c = lk.covariance_mask(d["lp"], d["adv"], d["mask"], **kw)  # the global generator in the same state
     other = lk.covariance_mask(d["lp"], d["adv"], d["mask"], generator=torch.Generator().manual_seed(6), **kw)
     assert torch.equal(a, b) and torch.equal(a, c) and not torch.equal(a, other)
+
+
+def test_an_explicit_group_wins_over_the_world(records: list[dict[str, Any]]) -> None:
+    world = len(records)
+    for members in worker.GROUPS[world]:
+        parts = [worker.rank_data(world, r, "unequal") for r in members]
+        d = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+        torch.manual_seed(worker.seed(members[0]))  # the group's first process draws the permutation
+        want = worker.select(d, worker.EXPLICIT)
+        got = torch.cat([torch.tensor(records[r]["explicit"], dtype=torch.bool) for r in members])
+        assert torch.equal(got, want), members
+        assert want.any()
