@@ -7,6 +7,7 @@ rank does, in ``ties`` covariances tie across the ranks' boundary) and writes ``
 with its mask for every case of :data:`CASES`. Rank 0 seeds torch's global generator with
 :data:`SEED`, the others with other seeds: Clip-Cov's permutation is rank 0's. Then the last rank
 passes advantages of a wrong shape: every rank must raise, and a good call after it must still pair up.
+Last, Clip-Cov over an explicit sub-group (:data:`GROUPS`): the group given wins over the world.
 """
 
 from __future__ import annotations
@@ -35,6 +36,16 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "empty all, kl_cov": ("empty_all", {"loss_mode": "kl_cov", "fraction": 0.5}),
     "ties, kl_cov": ("ties", {"loss_mode": "kl_cov", "fraction": 0.5}),
 }
+
+
+#: the explicit sub-groups of the last case, by world size
+GROUPS = {2: [[1], [0]], 3: [[1, 2], [0]]}
+EXPLICIT = {"loss_mode": "clip_cov", "fraction": 0.05, "window": (0.5, 5.0)}
+
+
+def seed(rank: int) -> int:
+    """Each rank's seed of torch's global generator: only the group's first process's draws count."""
+    return SEED if rank == 0 else SEED + 1 + rank
 
 
 def rank_data(world: int, rank: int, kind: str) -> dict[str, torch.Tensor]:
@@ -70,8 +81,13 @@ def _main(rank: int, out: str, world: int) -> None:
     record: dict[str, Any] = {"rank": rank, "world_size": world, "masks": {}}
     try:
         for case, (kind, kwargs) in CASES.items():
-            torch.manual_seed(SEED if rank == 0 else SEED + 1 + rank)
+            torch.manual_seed(seed(rank))
             record["masks"][case] = select(rank_data(world, rank, kind), kwargs).tolist()
+        # an explicit group wins over the world; for W = 3 the group {1, 2} draws on global rank 1
+        groups = [dist.new_group(g) for g in GROUPS[world]]  # every rank makes every group, in the same order
+        mine = next(i for i, g in enumerate(GROUPS[world]) if rank in g)
+        torch.manual_seed(seed(rank))
+        record["explicit"] = select(rank_data(world, rank, "unequal"), dict(EXPLICIT, process_group=groups[mine])).tolist()
         d = rank_data(world, rank, "unequal")
         bad = d["adv"][:, :-1] if rank == world - 1 else d["adv"]
         try:

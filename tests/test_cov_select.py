@@ -273,3 +273,55 @@ def test_an_input_refused_on_one_rank_raises_on_every_rank(records: list[dict[st
     assert len(set(messages)) == 1
     assert f"found on rank {len(records) - 1}" in messages[0] and "`advantages` must be" in messages[0]
     assert all(r["after"] for r in records)  # the collectives still pair up after the refusal
+
+
+def _split_batch() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    b, t = 64, 256
+    lp = -torch.rand(b, t, generator=g) * 6
+    old = (lp + 0.3 * torch.randn(b, t, generator=g)).clamp(max=0.0)
+    adv = ((2 * torch.randn(b, 1, generator=g)).expand(b, t) + 0.5 * torch.randn(b, t, generator=g)).contiguous()
+    mask = torch.arange(t) < torch.randint(16, t + 1, (b,), generator=g)[:, None]
+    return {"lp": lp, "old": old, "adv": adv, "mask": mask}
+
+
+@pytest.mark.parametrize(
+    "fraction,micro,want_global,want_verl,want_overlap",
+    [(0.0002, 4, 1, 16, 1), (0.0002, 16, 1, 4, 1), (0.002, 4, 15, 16, 1), (0.02, 16, 157, 156, 88)],
+)
+def test_verls_per_micro_batch_choice_depends_on_the_split_as_docs_say(
+    fraction: float, micro: int, want_global: int, want_verl: int, want_overlap: int
+) -> None:
+    # docs/mismatch.md's table: 64 sequences, 7851 valid tokens, verl's kl_cov on micro-batches of
+    # `micro` sequences against one choice over the whole batch
+    d = _split_batch()
+    assert int(d["mask"].sum()) == 7851
+    whole = lk.covariance_mask(d["lp"], d["adv"], d["mask"], loss_mode="kl_cov", fraction=fraction)
+    parts = [_verl("kl_cov", {k: v[i : i + micro] for k, v in d.items()}, kl_cov_ratio=fraction, ppo_kl_coef=1000.0)[2]
+             for i in range(0, 64, micro)]  # fmt: skip
+    per = torch.cat(parts)
+    assert (int(whole.sum()), int(per.sum()), int((per & whole).sum())) == (want_global, want_verl, want_overlap)
+
+
+def test_clip_cov_draws_its_permutation_from_the_generator_given() -> None:
+    d = _data(seed=2)
+    kw = {"loss_mode": "clip_cov", "fraction": 0.02, "old_logprob": d["old"]}
+    a = lk.covariance_mask(d["lp"], d["adv"], d["mask"], generator=torch.Generator().manual_seed(5), **kw)
+    torch.manual_seed(0)
+    b = lk.covariance_mask(d["lp"], d["adv"], d["mask"], generator=torch.Generator().manual_seed(5), **kw)
+    torch.manual_seed(5)
+    c = lk.covariance_mask(d["lp"], d["adv"], d["mask"], **kw)  # the global generator in the same state
+    other = lk.covariance_mask(d["lp"], d["adv"], d["mask"], generator=torch.Generator().manual_seed(6), **kw)
+    assert torch.equal(a, b) and torch.equal(a, c) and not torch.equal(a, other)
+
+
+def test_an_explicit_group_wins_over_the_world(records: list[dict[str, Any]]) -> None:
+    world = len(records)
+    for members in worker.GROUPS[world]:
+        parts = [worker.rank_data(world, r, "unequal") for r in members]
+        d = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+        torch.manual_seed(worker.seed(members[0]))  # the group's first process draws the permutation
+        want = worker.select(d, worker.EXPLICIT)
+        got = torch.cat([torch.tensor(records[r]["explicit"], dtype=torch.bool) for r in members])
+        assert torch.equal(got, want), members
+        assert want.any()
