@@ -739,7 +739,8 @@ class _Rows(torch.autograd.Function):
             if temp != 1.0:
                 out.div_(temp)
             out.sub_(c)
-        ent = c + spread if want_ent else torch.zeros_like(out)
+        # a row without mass (every logit -inf) has no distribution: its entropy is NaN, as torch's
+        ent = (c + spread).masked_fill_(c == _NINF, float("nan")) if want_ent else torch.zeros_like(out)
         log_kept = (stats[_C] - stats[_CALL]) if truncated else torch.zeros_like(out)
         if ignored is not None:
             out.masked_fill_(ignored, 0)
@@ -917,6 +918,20 @@ def _kl_shifted(
 _MP, _CP, _MQ, _CQ, _KL = range(5)
 
 
+def _infinite_kl(reference: str, sampling: Sampling) -> tuple[str, str]:
+    """What a +inf KL was taken against, and why it is infinite, for ``reference`` (the backward's message)."""
+    if reference == "processed" and sampling.truncates:
+        return "the reference's own processed distribution", (
+            "(the policy keeps a token that the reference's processing removes): its gradient does not exist. "
+            "Use reference='policy_kept' or 'unprocessed' to regularize, or mask those tokens"
+        )
+    kept = reference == "policy_kept" and sampling.truncates
+    return "the reference renormalized on the policy's kept set" if kept else "the reference's softmax", (
+        "(the policy gives mass to a token whose reference logit is -inf, a token the reference cannot emit): "
+        "its gradient does not exist. Mask those tokens, or give the reference a finite logit there"
+    )
+
+
 class _FullKL(torch.autograd.Function):
     r"""Per row, with the shifted scores :math:`e^p, e^q` and log-sums :math:`c_p, c_q` of both models
     (as in :class:`_Rows`): :math:`\log \tilde p_i - \log q_i = (e^p_i - e^q_i) - (c_p - c_q)`, summed
@@ -1005,14 +1020,11 @@ class _FullKL(torch.autograd.Function):
         if invalid is not None:
             g_out = g_out.masked_fill(invalid, 0)
         infinite = (kl == float("inf")) & (g_out != 0)
-        why = (
-            "(the policy keeps a token that the reference's processing removes): its gradient does not exist. "
-            "Use reference='policy_kept' or 'unprocessed' to regularize, or mask those tokens"
-        )
+        what, why = _infinite_kl(reference, sampling)
         check_values(
             infinite,
-            lambda: ValueError(f"the KL against the reference's own processed distribution is +inf at {int(infinite.sum())} token(s) {why}."),
-            f"the KL against the reference's own processed distribution is +inf {why}",
+            lambda: ValueError(f"the KL against {what} is +inf at {int(infinite.sum())} token(s) {why}."),
+            f"the KL against {what} is +inf {why}",
         )
         # rows of scale 0 (masked, or a +inf KL without a gradient) get 0; rows with NaN inputs carry it here
         scale = (g_out / sampling.temperature).masked_fill_(kl.isnan(), float("nan")).unsqueeze(1)
