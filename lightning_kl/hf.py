@@ -256,8 +256,9 @@ def response_logprobs(
             (a ``DeprecationWarning``).
         kept_from: optional ``[b, t, V]`` response logits of the policy: the kept set is the
             policy's (a reference renormalized on the policy's kept set).
-        outside: a sampled token outside the kept set: ``"raise"`` or ``"-inf"``
-            (:func:`lightning_kl.token_logprobs` with ``sampling=``).
+        outside: a sampled token outside the kept set: ``"raise"``, ``"-inf"`` or, for rollouts
+            reused off-policy (PPO epochs > 1, mini-batches, stale rollouts), ``"extend"``
+            (:func:`lightning_kl.token_logprobs` with ``sampling=``; ``docs/sampling.md``).
         sampler_scores: opt-in check of the scorer against the sampler: ``generate``'s processed
             scores of these sequences (``out.scores`` of ``generate(..., output_scores=True,
             return_dict_in_generate=True)``, ``t`` tensors ``[b, V]``, or one ``[b, t, V]``). The
