@@ -210,16 +210,19 @@ def _extend_outside(x: Any, ids: Tensor, lp: Tensor, outside: Tensor, proc: Samp
     rows = outside.reshape(-1).nonzero().squeeze(1)
     if rows.numel() == 0:
         return lp
-    dtype = lp.dtype
+    if lp.dim() == 0:  # one token: as a row of one
+        one = x._replace(hidden=x.hidden[None]) if isinstance(x, FromHidden) else x[None]
+        return _extend_outside(one, ids, lp[None], outside[None], proc, None if kept_from is None else kept_from[None])[0]
+    dtype, where = lp.dtype, torch.unravel_index(rows, lp.shape)  # those rows only (no copy of a strided input)
     if isinstance(x, FromHidden):
-        a = torch.nn.functional.linear(x.hidden.reshape(-1, x.hidden.shape[-1]).index_select(0, rows), x.weight, x.bias)
+        a = torch.nn.functional.linear(x.hidden[where], x.weight, x.bias)
         z = a.to(dtype) * x.logit_scale
         if x.softcap is not None:
             z = torch.tanh(z / x.softcap) * x.softcap
     else:
-        z = x.reshape(-1, x.shape[-1]).index_select(0, rows).to(dtype)
+        z = x[where].to(dtype)
     e = z / proc.temperature
-    chooser = e.detach() if kept_from is None else kept_from.reshape(-1, kept_from.shape[-1]).index_select(0, rows).to(dtype) / proc.temperature
+    chooser = e.detach() if kept_from is None else kept_from[where].to(dtype) / proc.temperature
     y = ids.index_select(0, rows).unsqueeze(1)
     keep = (process_scores(chooser, proc) != float("-inf")).scatter_(1, y, True)
     value = torch.log_softmax(e.masked_fill(~keep, float("-inf")), -1).gather(1, y).squeeze(1)

@@ -149,8 +149,8 @@ def test_extend_is_continuous_where_the_token_alone_leaves_the_kept_set() -> Non
 def test_extend_with_the_entropy_in_one_pass() -> None:
     _, tokens, z1 = _moved()
     lp, ent = lk.token_logprobs_and_entropy(z1, tokens, sampling=SAMPLER, outside="extend")
-    torch.testing.assert_close(lp, lk.token_logprobs(z1, tokens, sampling=SAMPLER, outside="extend"), rtol=0, atol=0)
-    torch.testing.assert_close(ent, lk.token_entropy(z1, sampling=SAMPLER), rtol=0, atol=0)
+    torch.testing.assert_close(lp, lk.token_logprobs(z1, tokens, sampling=SAMPLER, outside="extend"), rtol=0, atol=1e-6)
+    torch.testing.assert_close(ent, lk.token_entropy(z1, sampling=SAMPLER), rtol=0, atol=1e-6)
 
 
 def test_two_ppo_epochs_over_one_rollout_with_top_p() -> None:
@@ -199,3 +199,17 @@ def test_two_ppo_epochs_over_one_rollout_with_top_p() -> None:
 def test_extend_is_accepted_by_the_hf_scorers_and_a_bad_mode_is_named() -> None:
     with pytest.raises(ValueError, match=r"`outside` must be one of \('raise', '-inf', 'extend'\)"):
         lk.token_logprobs(torch.zeros(2, 3), torch.tensor([0, 1]), sampling=lk.Sampling(top_k=1), outside="drop")
+
+
+def test_extend_reads_only_the_rows_outside_of_a_strided_input_and_one_token() -> None:
+    _, tokens, z1 = _moved()
+    wide = torch.cat([z1, z1[:, :1]], 1)  # logits[:, :-1] of a longer output: a view, not contiguous
+    view = wide[:, :-1]
+    assert not view.is_contiguous()
+    torch.testing.assert_close(lk.token_logprobs(view, tokens, sampling=SAMPLER, outside="extend"),
+                               lk.token_logprobs(z1, tokens, sampling=SAMPLER, outside="extend"), rtol=0, atol=1e-6)
+    out = lk.token_logprobs(z1, tokens, sampling=SAMPLER, outside="-inf") == NINF
+    i, j = out.nonzero()[0].tolist()
+    one = lk.token_logprobs(z1[i, j], tokens[i, j], sampling=SAMPLER, outside="extend")
+    assert one.dim() == 0 and torch.isfinite(one)
+    torch.testing.assert_close(one, lk.token_logprobs(z1, tokens, sampling=SAMPLER, outside="extend")[i, j], rtol=0, atol=1e-6)
