@@ -18,10 +18,12 @@ What every user of a ``transformers`` causal LM needs between ``model.generate``
 
 One :class:`lightning_kl.Sampling` configures both sides: ``model.generate(**sampling.generate_kwargs())``
 draws from exactly the distribution that ``response_logprobs(..., sampling=sampling)`` scores. The
-model remembers the sampler it was last scored with: a later :func:`response_logprobs` of the same
-model given no sampler at all (the training step's scorer that forgot ``sampling=``) gives a
-:class:`SamplerMismatchWarning`, because its PPO ratio and its KL estimates would then be those of
-another distribution than the rollout's.
+model records the sampler it drew with (``sampling.generate_kwargs(model)``), or else the one it was
+last scored with: :func:`response_logprobs` and :func:`reference_logprobs` of the same model given no
+sampler at all (a scorer that forgot ``sampling=``), or another sampler than the one it drew with (two
+copies of a sampler that drifted apart), give a :class:`SamplerMismatchWarning`, once per model,
+because the PPO ratio and the KL estimates would then be those of another distribution than the
+rollout's.
 
 Notation: ``b`` sequences, ``p`` prompt length (left-padded, the same for every row), ``t`` response
 length (``max_new_tokens`` or less), ``V`` vocabulary size. ``sequences = generate(...)`` is
@@ -50,7 +52,7 @@ import torch
 from torch import Tensor
 
 from lightning_kl.ground.checks import check_temperature
-from lightning_kl.ground.sampler import Sampling, check_processing, remember_sampler, remembered_sampler
+from lightning_kl.ground.sampler import SamplerMismatchWarning, Sampling, check_processing, remember_sampler, remembered_sampler
 from lightning_kl.inputs import check_logit_transform
 from lightning_kl.logprobs import FromHidden, token_logprobs
 
@@ -247,15 +249,18 @@ def response_logprobs(
             drew the tokens: the log-probs of its tempered, truncated, renormalized distribution
             (:func:`lightning_kl.token_logprobs` with ``sampling=``); None: the plain softmax. With a
             truncating sampler, response positions outside ``attention_mask`` (after EOS: not
-            sampled) get 0. The model remembers it: a later call on the same model with no sampler
-            at all warns (:class:`SamplerMismatchWarning`, once per model) when the remembered one
-            is not the plain softmax: give every scorer of a rollout the rollout's ``sampling=``.
+            sampled) get 0. The model records it (unless it drew with a sampler:
+            ``sampling.generate_kwargs(model)`` records that one). A call on a model that drew with
+            another sampler, or with no sampler on a model whose record is not the plain softmax, warns
+            (:class:`SamplerMismatchWarning`, once per model): give every scorer of a rollout the
+            rollout's ``sampling=``.
         top_k, top_p, min_p: deprecated: ``sampling=lk.Sampling(top_k=..., top_p=..., min_p=...)``
             (a ``DeprecationWarning``).
         kept_from: optional ``[b, t, V]`` response logits of the policy: the kept set is the
             policy's (a reference renormalized on the policy's kept set).
-        outside: a sampled token outside the kept set: ``"raise"`` or ``"-inf"``
-            (:func:`lightning_kl.token_logprobs` with ``sampling=``).
+        outside: a sampled token outside the kept set: ``"raise"``, ``"-inf"`` or, for rollouts
+            reused off-policy (PPO epochs > 1, mini-batches, stale rollouts), ``"extend"``
+            (:func:`lightning_kl.token_logprobs` with ``sampling=``; ``docs/sampling.md``).
         sampler_scores: opt-in check of the scorer against the sampler: ``generate``'s processed
             scores of these sequences (``out.scores`` of ``generate(..., output_scores=True,
             return_dict_in_generate=True)``, ``t`` tensors ``[b, V]``, or one ``[b, t, V]``). The
@@ -287,6 +292,7 @@ def response_logprobs(
     _check_prompt_length(prompt_length, sequences.shape[1], "sequences")
     sampling = _resolve_sampling(sampling, {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p},
                                  "response_logprobs")
+    _check_sampler(model, sampling, "response_logprobs")
     return _score(model, sequences, attention_mask, prompt_length, sampling, return_logits, kept_from, outside,
                   sampler_scores, remember=True, kept=kept, return_kept=return_kept)
 
@@ -320,13 +326,20 @@ def _resolve_sampling(sampling: Optional[Sampling], separate: dict[str, Any], ca
 _warned_unsampled: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
-def _remember_sampler(model: Any, sampling: Optional[Sampling]) -> None:
-    # the model remembers its sampler (here, and in Sampling.generate_kwargs(model)); a call given none warns
-    if sampling is not None:
-        remember_sampler(model, sampling)
+def _check_sampler(model: Any, sampling: Optional[Sampling], call: str) -> None:
+    """Warn (once per model) when ``model`` is scored with no sampler, or with another one than it drew with.
+
+    The record is the sampler the model drew with (``Sampling.generate_kwargs(model)``), or, for a model
+    that never drew with one, the one :func:`response_logprobs` last scored it with: that one is only
+    compared with no sampler at all (a model scored with several samplers in turn, e.g. a schedule of
+    temperatures, is not warned about)."""
+    record = remembered_sampler(model)
+    if record is None:
         return
-    remembered = remembered_sampler(model)
-    if remembered is None or remembered == Sampling():
+    recorded, drawn = record
+    if sampling is None and recorded == Sampling():
+        return
+    if sampling is not None and (sampling == recorded or not drawn):
         return
     try:
         if model in _warned_unsampled:
@@ -334,22 +347,28 @@ def _remember_sampler(model: Any, sampling: Optional[Sampling]) -> None:
         _warned_unsampled.add(model)
     except TypeError:  # a model object that takes no weak reference: nothing is remembered
         return
+    how = "sampled with" if drawn else "scored before with"
+    if sampling is None:
+        what = f"lk.hf.{call} was given no sampler, so it scores the plain softmax"
+        fix = "(sampling=lk.Sampling() to mean the plain softmax)"
+    else:
+        what = f"lk.hf.{call} was given sampling={sampling}"
+        fix = ("(one lk.Sampling object for generate and every scorer; from YAML, link the copies: "
+               "docs/sampling.md, 'One sampler in a YAML file')")
     warnings.warn(
-        f"lk.hf.response_logprobs was given no sampler, so it scores the plain softmax, but this model was "
-        f"sampled or scored before with sampling={remembered} (the rollout's sampler, presumably): the PPO ratio and the "
-        f"KL estimates would compare two distributions (the ratio is not 1 on-policy) and nothing else would "
-        f"say so. Give every scorer of a rollout the rollout's sampling= (sampling=lk.Sampling() to mean the "
-        f"plain softmax). Warned once for this model.",
+        f"{what}, but this model was {how} sampling={recorded} (the rollout's sampler, presumably): the PPO ratio "
+        f"and the KL estimates would compare two distributions (the ratio is not 1 on-policy) and nothing else "
+        f"would say so. Give every scorer of a rollout the rollout's sampling= {fix}. Warned once for this model.",
         SamplerMismatchWarning,
-        stacklevel=4,
+        stacklevel=3,
     )
 
 
 def _score(model: Any, sequences: Tensor, attention_mask: Tensor, prompt_length: int, sampling: Optional[Sampling],
            return_logits: bool, kept_from: Optional[Tensor], outside: str, sampler_scores: Any, remember: bool,
            kept: Any = None, return_kept: bool = False) -> Any:
-    if remember:
-        _remember_sampler(model, sampling)
+    if remember and sampling is not None:
+        remember_sampler(model, sampling)
     if sampling is None:
         sampling = Sampling()
     temperature, top_k, top_p, min_p = sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p
@@ -379,10 +398,6 @@ def _score(model: Any, sequences: Tensor, attention_mask: Tensor, prompt_length:
     if not (return_logits or return_kept):
         return logprobs
     return (logprobs,) + ((logits,) if return_logits else ()) + ((recorded,) if return_kept else ())
-
-
-class SamplerMismatchWarning(UserWarning):
-    """The scorer's log-probs are not those of the distribution ``generate`` drew from."""
 
 
 class SamplerAgreement(NamedTuple):
@@ -546,7 +561,10 @@ def reference_logprobs(
     pass are not kept (``torch.no_grad``). Arguments, shapes and errors as :func:`response_logprobs`;
     :func:`adapters_disabled` raises ``TypeError`` for a model without adapters.
 
-    Give it the rollout's ``sampling=``, as to :func:`response_logprobs`. The reference did not sample,
+    Give it the rollout's ``sampling=``, as to :func:`response_logprobs`: given none, or another sampler
+    than the one the model drew with (``sampling.generate_kwargs(model)``), it warns as
+    :func:`response_logprobs` does (:class:`SamplerMismatchWarning`, once per model; it records
+    nothing itself). The reference did not sample,
     so only the sampler's temperature applies to it: the log-probs of the reference's softmax at that
     temperature (what verl and TRL score, and ``reference="unprocessed"`` of
     :func:`lightning_kl.full_kl`). A truncating sampler's kept set is the *policy's*: the reference's
@@ -571,6 +589,7 @@ def reference_logprobs(
         raise TypeError(f"reference_logprobs() got unexpected keyword argument(s) {sorted(unexpected)}.")
     sampling = _resolve_sampling(sampling, {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p},
                                  "reference_logprobs")
+    _check_sampler(model, sampling, "reference_logprobs")
     if sampling is not None and kept_from is None and kept is None and sampling.truncates:
         sampling = Sampling(temperature=sampling.temperature)  # the reference's softmax at the sampler's temperature
     with adapters_disabled(model):

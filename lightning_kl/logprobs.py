@@ -37,7 +37,7 @@ from lightning_kl.ground.checks import (
 )
 from lightning_kl.inputs import check_chunk_size, check_full_hidden_inputs, check_full_inputs, check_head, check_logit_transform, check_tokens
 from lightning_kl.ground.kept import KeptSets, as_kept_sets, check_nonempty, report_missing
-from lightning_kl.ground.sampler import Sampling
+from lightning_kl.ground.sampler import Sampling, process_scores
 from lightning_kl.ground.vocab_shards import VocabShard, is_vocab_parallel
 from lightning_kl.kernels.divergence import Divergence, check_divergence
 from lightning_kl.kernels.engine import REFERENCES, Head, Partition, Tensors, entropy_kernel, full_kl_kernel, token_logprobs_kernel
@@ -47,9 +47,11 @@ from lightning_kl.kernels.full import head_source, logits_source, same_partition
 __all__ = ["OUTSIDE_MODES", "REFERENCES", "FromHidden", "full_kl", "full_kl_from_hidden", "token_entropy", "token_logprobs"]
 __all__ += ["token_logprobs_and_entropy", "token_logprobs_from_hidden"]
 
-#: What to do with a token outside the sampler's kept set: ``"raise"`` (the sampler and the scorer
-#: disagree) or ``"-inf"`` (its processed log-prob, e.g. a reference's own processed distribution).
-OUTSIDE_MODES = ("raise", "-inf")
+#: What to do with a sampled token outside the sampler's kept set: ``"raise"`` (the default: on-policy
+#: the sampler and the scorer disagree), ``"-inf"`` (its processed log-prob: importance weight 0), or
+#: ``"extend"`` (rollouts reused off-policy: the log-prob on the kept set extended by the sampled token;
+#: ``docs/sampling.md``, "Reusing rollouts with a truncating sampler").
+OUTSIDE_MODES = ("raise", "-inf", "extend")
 
 
 class _FromHiddenFields(NamedTuple):
@@ -173,6 +175,19 @@ def _check_outside(outside: Any) -> str:
     return outside
 
 
+#: what to do about a sampled token outside the kept set, in the error's words (one text for both forms)
+_OUTSIDE_CAUSES = (
+    "Two causes. (1) On-policy, the sampler and the scorer disagree (another processing, e.g. generate's default "
+    "top_k=50, or other logits): pass the sampler's exact processing. (2) Rollouts reused off-policy (PPO epochs > 1, "
+    "mini-batches, stale or asynchronous rollouts): the policy moved since the rollout and the token left its kept "
+    "set, nothing is misconfigured: pass outside='extend' (the log-prob on the kept set extended by the sampled "
+    "token: finite, the processed log-prob wherever the token is still kept), or outside='-inf' and drop those "
+    "tokens from the mask (their importance weight is 0). See docs/sampling.md, 'Reusing rollouts with a truncating "
+    "sampler'. If the position is padding after EOS (never sampled), give it `ignore_index` "
+    "(tokens.masked_fill(~mask, -100), ignore_index=-100)."
+)
+
+
 def _report_outside(outside: Tensor, tokens: Tensor, sampling: Sampling) -> None:
     """Fail on a sampled token outside the kept set; no host read off the CPU (:func:`check_values`)."""
 
@@ -181,15 +196,40 @@ def _report_outside(outside: Tensor, tokens: Tensor, sampling: Sampling) -> None
         return ValueError(
             f"{int(outside.sum())} sampled token(s) lie outside the kept set of the processing {sampling.as_dict()}, "
             f"the first at position {tuple(where)} (id {int(tokens[tuple(where)])}): the sampler and the scorer "
-            "disagree (another processing, e.g. generate's default top_k=50, or other logits). Pass the "
-            "sampler's exact processing, or outside='-inf' to score them as log 0 = -inf."
+            f"disagree, or the policy moved since the rollout. {_OUTSIDE_CAUSES}"
         )
 
-    rule = (
-        f"sampled tokens must lie in the kept set of the processing {sampling.as_dict()} (the sampler's exact "
-        "processing, or outside='-inf' to score them as log 0 = -inf)"
-    )
+    rule = f"sampled tokens must lie in the kept set of the processing {sampling.as_dict()}. {_OUTSIDE_CAUSES}"
     check_values(outside, named, rule)
+
+
+def _extend_outside(x: Any, ids: Tensor, lp: Tensor, outside: Tensor, proc: Sampling, kept_from: Optional[Tensor]) -> Tensor:
+    r"""``outside="extend"``: at each token outside the kept set :math:`K`, the log-prob on :math:`K \cup \{y\}`.
+
+    :math:`z_y / T - \operatorname{lse}_{j \in K \cup \{y\}}(z_j / T)`, with its exact gradient
+    :math:`([i = y] - [i \in K \cup \{y\}]\, p'_i) / T` (autograd through the rows' logits, made again
+    in the compute dtype: one host read finds the rows, ``[r, V]`` temporaries for those ``r`` rows only).
+    The other tokens keep the engine's value, bitwise."""
+    rows = outside.reshape(-1).nonzero().squeeze(1)
+    if rows.numel() == 0:
+        return lp
+    if lp.dim() == 0:  # one token: as a row of one
+        one = x._replace(hidden=x.hidden[None]) if isinstance(x, FromHidden) else x[None]
+        return _extend_outside(one, ids, lp[None], outside[None], proc, None if kept_from is None else kept_from[None])[0]
+    dtype, where = lp.dtype, torch.unravel_index(rows, lp.shape)  # those rows only (no copy of a strided input)
+    if isinstance(x, FromHidden):
+        a = torch.nn.functional.linear(x.hidden[where], x.weight, x.bias)
+        z = a.to(dtype) * x.logit_scale
+        if x.softcap is not None:
+            z = torch.tanh(z / x.softcap) * x.softcap
+    else:
+        z = x[where].to(dtype)
+    e = z / proc.temperature
+    chooser = e.detach() if kept_from is None else kept_from[where].to(dtype) / proc.temperature
+    y = ids.index_select(0, rows).unsqueeze(1)
+    keep = (process_scores(chooser, proc) != float("-inf")).scatter_(1, y, True)
+    value = torch.log_softmax(e.masked_fill(~keep, float("-inf")), -1).gather(1, y).squeeze(1)
+    return lp.reshape(-1).index_put((rows,), value).view(lp.shape)
 
 
 def token_logprobs(
@@ -224,8 +264,12 @@ def token_logprobs(
             refused on a split vocabulary.
         ignore_index: an id whose positions get 0 (every output) and exactly zero gradient (``-100``),
             even where the logits hold NaN.
-        outside: a token outside the kept set: ``"raise"`` (default; the error names it) or ``"-inf"``
-            (log-prob ``-inf``, zero gradient).
+        outside: a token outside the kept set: ``"raise"`` (default; the error names it), ``"-inf"``
+            (log-prob ``-inf``, zero gradient: its importance weight is 0; drop it from the mask before a
+            sampled KL estimator), or ``"extend"`` for rollouts reused off-policy: the log-prob on the kept
+            set extended by the token, :math:`z_y / T - \operatorname{lse}_{j \in K \cup \{y\}}(z_j / T)`,
+            finite, with its exact gradient, bitwise the processed log-prob wherever the token is kept
+            (one host read finds the rows outside, which are made again: ``[r, V]`` for those ``r`` rows).
         kept_from: optional ``[..., V]`` logits of another model (the policy's) whose processing chooses
             the kept set: ``x``'s distribution renormalized on that set (no gradient flows into it;
             logits ``x`` only).
@@ -317,6 +361,8 @@ def _token_logprobs(
         report_missing(out, tokens)
     elif (proc.truncates or kept_from is not None) and outside == "raise":
         _report_outside(out, tokens, proc)
+    elif (proc.truncates or kept_from is not None) and outside == "extend":
+        lp = _extend_outside(x, ids, lp, out, proc, kept_from)
     if not (return_log_kept or return_kept):
         return lp
     return (lp,) + ((log_kept,) if return_log_kept else ()) + ((kept if record is None else record[0],) if return_kept else ())
@@ -423,6 +469,8 @@ def token_logprobs_and_entropy(
         report_missing(out, tokens)
     elif proc.truncates and outside == "raise":
         _report_outside(out, tokens, proc)
+    elif proc.truncates and outside == "extend":
+        lp = _extend_outside(x, ids, lp, out, proc, None)
     return lp, ent
 
 

@@ -441,7 +441,9 @@ RUNNERS: dict[tuple[str, int], Callable[..., None]] = {
     ("docs/sampling.md", 2): lambda code, mp: run_fragment(code),
     ("docs/sampling.md", 3): lambda code, mp: run_fragment(code),
     ("docs/sampling.md", 4): lambda code, mp: run_fragment(code),
-    ("docs/sampling.md", 5): run_sampling_replay,
+    ("docs/sampling.md", 5): lambda code, mp: run_fragment(code),
+    ("docs/sampling.md", 6): run_defs,  # parsed by a real LightningCLI in tests/test_sampler_truth_docs.py
+    ("docs/sampling.md", 7): run_sampling_replay,
     ("docs/scale.md", 0): lambda code, mp: run_fragment(code),
     ("docs/scale.md", 1): lambda code, mp: run_fragment(code, micro_batches=[{"mask": _tensors()["mask"]}]),
     ("docs/scale.md", 2): run_defs,

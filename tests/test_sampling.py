@@ -402,7 +402,7 @@ def test_reference_on_the_policys_kept_set_matches_policy_kept_full_kl():
         (dict(top_p=float("nan")), r"`top_p` must be a number in \[0, 1\] or None, got nan"),
         (dict(min_p=-0.1), r"`min_p` must be a number in \[0, 1\] or None, got -0.1"),
         (dict(temperature=0.0), r"`temperature` must be a finite number > 0, got 0.0"),
-        (dict(outside="zero"), r"`outside` must be one of \('raise', '-inf'\), got 'zero'"),
+        (dict(outside="zero"), r"`outside` must be one of \('raise', '-inf', 'extend'\), got 'zero'"),
     ],
 )
 def test_bad_processing_fails_with_a_message_naming_it(kw, match):

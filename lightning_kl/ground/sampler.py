@@ -34,6 +34,7 @@ The kept set's log-probs, the KL and the entropy of this distribution are comput
 from __future__ import annotations
 
 import math
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -43,7 +44,7 @@ from torch import Tensor
 
 from lightning_kl.ground.checks import check_temperature
 
-__all__ = ["Sampling", "check_processing", "process_scores"]
+__all__ = ["Sampling", "SamplerMismatchWarning", "check_processing", "process_scores"]
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,7 @@ class Sampling:
         """The four settings by name (for messages and logs)."""
         return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p, "min_p": self.min_p}
 
-    def generate_kwargs(self, model: Any = None) -> dict[str, Any]:
+    def generate_kwargs(self, model: Any = None, **overrides: Any) -> dict[str, Any]:
         """Keyword arguments for ``model.generate`` that sample from exactly this distribution.
 
         ``do_sample=True``, this object's four settings, and every other setting of ``generate`` that
@@ -117,22 +118,41 @@ class Sampling:
         DoLa layers cannot change the distribution behind the scorer's back. Speculative decoding stays
         possible (it is exact), but not its lossy ensemble weight.
 
-        Not covered: a ``logits_processor=`` or ``prefix_allowed_tokens_fn=`` of the caller's own, and
-        keywords merged over these (``{**s.generate_kwargs(), "repetition_penalty": 1.2}`` samples
-        from another distribution than ``s``). Length keywords (``max_new_tokens``) and the ids
-        (``pad_token_id``, ``eos_token_id``) are the caller's: they end a response, they do not
-        change the distribution of its tokens.
+        Not covered: a ``logits_processor=`` or ``prefix_allowed_tokens_fn=`` of the caller's own.
+        Length keywords (``max_new_tokens``) and the ids (``pad_token_id``, ``eos_token_id``) are the
+        caller's: they end a response, they do not change the distribution of its tokens; pass them
+        to ``generate`` or here.
+
+        A keyword of your own wins: ``generate_kwargs(model, min_new_tokens=4)`` gives ``min_new_tokens=4``
+        (passing it to ``generate`` beside ``**generate_kwargs()`` would be a ``TypeError: got multiple
+        values``). One of the settings set here to its neutral value, given another value, makes
+        ``generate`` draw from another distribution than this object's (``min_new_tokens`` bans EOS,
+        ``repetition_penalty`` reweighs), which no scorer models: that gives a
+        :class:`SamplerMismatchWarning` naming it. The processing itself (``temperature``, ``top_k``,
+        ``top_p``, ``min_p``, ``do_sample``, ``num_beams``) is this object's: giving it here is a
+        ``ValueError`` (build the ``Sampling`` with it).
 
         Args:
             model: optional, the model that will ``generate`` (or its ``GenerationConfig``): the
                 settings its ``transformers`` version does not know are left out (an older version
                 has no such processor, and would refuse the unknown keyword). Without it, every
-                setting of ``transformers`` 5 is given. The model remembers this sampler
-                (:func:`lightning_kl.hf.response_logprobs` warns when it later scores the model
-                with no sampler at all).
+                setting of ``transformers`` 5 is given. The model records this sampler: the scorers
+                of :mod:`lightning_kl.hf` warn when they later score this model with no sampler or
+                with another one (:class:`SamplerMismatchWarning`).
+            overrides: keywords of your own for ``generate``, given as they are (they win).
+
+        Raises:
+            ValueError: for an override of the processing (named), before anything is recorded.
         """
+        own = sorted(set(overrides) & set(_PROCESSING))
+        if own:
+            raise ValueError(
+                f"{own} are this sampler's own processing, not overrides: build the lk.Sampling with them "
+                f"(lk.Sampling(temperature=, top_k=, top_p=, min_p=)), so that the scorers given it score what "
+                f"generate draws; got {', '.join(f'{k}={overrides[k]!r}' for k in own)} for {self}."
+            )
         if model is not None:
-            remember_sampler(model, self)
+            remember_sampler(model, self, drawn=True)
         kwargs = {
             "do_sample": True,
             "num_beams": 1,
@@ -169,10 +189,35 @@ class Sampling:
             "dola_layers": None,
             "assistant_ensemble_weight": None,
         }
+        changed = sorted(k for k, v in overrides.items() if k in kwargs and not _same(v, kwargs[k]))
+        if changed:
+            warnings.warn(
+                f"Sampling.generate_kwargs: {', '.join(f'{k}={overrides[k]!r}' for k in changed)} (neutral: "
+                f"{', '.join(f'{k}={kwargs[k]!r}' for k in changed)}) makes generate draw from another distribution "
+                f"than {self}, which the scorers given this sampling= do not model: the PPO ratio and the KL "
+                f"estimates are then those of another distribution than the rollout's.",
+                SamplerMismatchWarning,
+                stacklevel=2,
+            )
         config = getattr(model, "generation_config", model)
-        if config is None:
-            return kwargs
-        return {k: v for k, v in kwargs.items() if hasattr(config, k)}
+        if config is not None:
+            kwargs = {k: v for k, v in kwargs.items() if hasattr(config, k)}
+        return {**kwargs, **overrides}
+
+
+#: the keywords of ``generate`` that are a :class:`Sampling`'s own processing (not overridable)
+_PROCESSING = ("do_sample", "num_beams", "temperature", "top_k", "top_p", "min_p")
+
+
+def _same(a: Any, b: Any) -> bool:
+    """``a`` is the neutral value ``b`` (None, a bool or a number; anything else is another value)."""
+    if a is None or b is None or isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    return isinstance(a, (int, float)) and isinstance(b, (int, float)) and a == b
+
+
+class SamplerMismatchWarning(UserWarning):
+    """The scorer's log-probs are not those of the distribution ``generate`` drew from."""
 
 
 def check_processing(temperature: Any = 1.0, top_k: Any = None, top_p: Any = None, min_p: Any = None) -> Sampling:
@@ -208,20 +253,24 @@ def process_scores(scores: Tensor, proc: Sampling) -> Tensor:
     return scores
 
 
-# the sampler each model last drew with (generate_kwargs(model)) or was scored with (lk.hf.response_logprobs)
-_samplers: "weakref.WeakKeyDictionary[Any, Sampling]" = weakref.WeakKeyDictionary()
+# the sampler each model last drew with (generate_kwargs(model), drawn=True) or, when it never drew with
+# one, was scored with (lk.hf.response_logprobs, drawn=False)
+_samplers: "weakref.WeakKeyDictionary[Any, tuple[Sampling, bool]]" = weakref.WeakKeyDictionary()
 
 
-def remember_sampler(model: Any, sampling: Sampling) -> None:
-    """Record ``sampling`` as the sampler of ``model`` (nothing for an object that takes no weak reference)."""
+def remember_sampler(model: Any, sampling: Sampling, drawn: bool = False) -> None:
+    """Record ``sampling`` as the sampler of ``model``: ``drawn`` (``generate_kwargs(model)``) always; a
+    scorer's (``drawn=False``) only where no draw is recorded. Nothing for an object that takes no weak
+    reference."""
     try:
-        _samplers[model] = sampling
+        if drawn or not _samplers.get(model, (None, False))[1]:
+            _samplers[model] = (sampling, drawn)
     except TypeError:
         pass
 
 
-def remembered_sampler(model: Any) -> Optional[Sampling]:
-    """The sampler last recorded for ``model`` by :func:`remember_sampler`, or None."""
+def remembered_sampler(model: Any) -> Optional[tuple[Sampling, bool]]:
+    """The sampler recorded for ``model`` by :func:`remember_sampler` and whether it drew, or None."""
     try:
         return _samplers.get(model)
     except TypeError:

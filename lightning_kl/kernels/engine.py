@@ -807,7 +807,8 @@ class _Rows(torch.autograd.Function):
             out.sub_(c.unsqueeze(1))
         else:
             out = torch.zeros((n, k), dtype=dtype, device=device)
-        ent = c + spread if want_ent else torch.zeros_like(c)
+        # a row without mass (every logit -inf) has no distribution: its entropy is NaN, as torch's
+        ent = (c + spread).masked_fill_(c == _NINF, float("nan")) if want_ent else torch.zeros_like(c)
         log_kept = (c - call) if truncated else torch.zeros_like(c)
         if ignored is not None:
             out.masked_fill_(ignored.unsqueeze(1), 0)
@@ -1069,6 +1070,20 @@ def _row_terms(lp: Tensor, lq: Tensor, div: _Div, state: dict[str, Tensor]) -> t
 _MP, _CP, _MQ, _CQ, _KL, _KL2 = range(6)
 
 
+def _infinite_kl(reference: str, sampling: Sampling) -> tuple[str, str]:
+    """What a +inf KL was taken against, and why it is infinite, for ``reference`` (the backward's message)."""
+    if reference == "processed" and sampling.truncates:
+        return "the reference's own processed distribution", (
+            "(the policy keeps a token that the reference's processing removes): its gradient does not exist. "
+            "Use reference='policy_kept' or 'unprocessed' to regularize, or mask those tokens"
+        )
+    kept = reference == "policy_kept" and sampling.truncates
+    return "the reference renormalized on the policy's kept set" if kept else "the reference's softmax", (
+        "(the policy gives mass to a token whose reference logit is -inf, a token the reference cannot emit): "
+        "its gradient does not exist. Mask those tokens, or give the reference a finite logit there"
+    )
+
+
 class _FullKL(torch.autograd.Function):
     r"""Per row, with the shifted scores :math:`e^p, e^q` and log-sums :math:`c_p, c_q` of both models
     (as in :class:`_Rows`): :math:`\log \tilde p_i - \log q_i = (e^p_i - e^q_i) - (c_p - c_q)`, summed
@@ -1203,11 +1218,8 @@ class _FullKL(torch.autograd.Function):
             g_out = g_out.masked_fill(invalid, 0)
         infinite = (value == float("inf")) & (g_out != 0)
         if div.reverse:
-            what = "the KL against the reference's own processed distribution"
-            why = (
-                "(the policy keeps a token that the reference's processing removes): its gradient does not exist. "
-                "Use reference='policy_kept' or 'unprocessed' to regularize, or mask those tokens"
-            )
+            against, why = _infinite_kl(reference, sampling)
+            what = f"the KL against {against}"
         else:
             what = f"the {div.name!r} divergence"
             why = (
