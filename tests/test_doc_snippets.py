@@ -21,6 +21,7 @@ import torch
 from torch.testing import assert_close
 
 import lightning_kl as lk
+from _recipes_stacks import run_plain_loop, run_trl_recipe, run_verl_recipe
 from _snippets import ROOT, all_snippets, snippet
 
 B, T, V, D = 4, 6, 11, 8
@@ -400,6 +401,9 @@ RUNNERS: dict[tuple[str, int], Callable[..., None]] = {
     ("docs/mismatch.md", 3): run_mismatch_sources,
     ("docs/mismatch.md", 4): run_mismatch_decoupled,
     ("docs/mismatch.md", 5): run_mismatch_bypass,
+    ("docs/recipes_stacks.md", 0): run_plain_loop,
+    ("docs/recipes_stacks.md", 1): run_trl_recipe,  # TRL's names stood in for (tests/_recipes_stacks.py)
+    ("docs/recipes_stacks.md", 2): run_verl_recipe,  # verl's likewise
     ("docs/refresh.md", 0): None,  # needs tmp_path: run_refresh_trainer
     ("docs/refresh.md", 1): lambda code, mp: run_fragment(code),
     ("docs/sampling.md", 0): run_sampling_generate,
