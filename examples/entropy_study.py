@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import inspect
 import json
 import os
 import sys
@@ -72,6 +73,13 @@ class EntropyToy(toy_rlhf.ToyRLHF):
         self.entropy_bonus = entropy_bonus
         self.top_entropy = top_entropy
         self.series: dict[str, list[float]] = {"reward": [], "entropy": [], "coef": [], "kept": []}
+
+    def save_hyperparameters(self, *args: Any, ignore: Any = None, frame: Any = None, logger: bool = True) -> None:
+        """The toy's ``save_hyperparameters()`` (called in its ``__init__``), less ``entropy_bonus``: a module,
+        saved with the state dict (Lightning warns about an ``nn.Module`` among the hyperparameters)."""
+        ignore = ["entropy_bonus", *([ignore] if isinstance(ignore, str) else list(ignore or []))]
+        frame = frame if frame is not None else inspect.currentframe().f_back  # the caller's, as Lightning reads it
+        super().save_hyperparameters(*args, ignore=ignore, frame=frame, logger=logger)
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         opt = self.optimizers()

@@ -104,6 +104,21 @@ class RolloutCorrectionResult:
     old_logprob: Optional[Tensor] = None
 
 
+def _normalized(weights: Tensor, mask: Tensor, terms: Tensor) -> tuple[Tensor, Tensor]:
+    """The weights divided by their global batch mean (verl's rule, :func:`normalize_weights`), and the factor.
+
+    A mean that is NaN (a weight the mask keeps is NaN, on some process: ``terms`` are summed over the
+    group, so every process sees it) makes the factor and every valid weight NaN on every process, where
+    verl's rule (divide only when the mean exceeds 1e-8) would silently divide by 1 everywhere.
+    """
+    normalized, factor = normalize_weights(weights, terms)
+    lost = (terms[0] / terms[1]).isnan()
+    nan = torch.full((), math.nan, dtype=factor.dtype, device=factor.device)
+    factor = torch.where(lost, nan, factor)
+    normalized = torch.where(lost & mask, nan.to(weights.dtype), normalized)
+    return normalized, factor
+
+
 def _number(name: str, value: Any, allow_none: bool = True) -> Optional[float]:
     if value is None and allow_none:
         return None
@@ -179,7 +194,10 @@ class RolloutCorrection(nn.Module):
       :math:`w = e^{\frac1n\sum_t \ell_t}` (log-weights clamped to :math:`\pm 20`); then clamped to
       ``[lower, upper]`` (``mode="truncate"``: TIS) or set to 0 outside it (``mode="mask"``:
       IcePop, MIS); a bound of None is no bound. ``batch_normalize`` divides them by their mean over
-      the data parallel group's valid tokens (the sequence levels: its sequences), as verl.
+      the data parallel group's valid tokens (the sequence levels: its sequences), as verl. A weight
+      that is not finite (a NaN log-prob) at a token the rejection (or the off-policy mask) drops is set
+      to 0 and left out of that mean; one the mask keeps makes the mean NaN, and then every valid weight
+      on every process is NaN (verl would divide by 1 everywhere, silently).
     * **rejection** (``rejection``, ``rejection_threshold``): verl's ``rollout_rs`` options and
       threshold syntax (:data:`lightning_kl.mismatch.REJECTION_OPTIONS`): a token, or every token of
       a sequence, leaves the mask when a divergence of the two log-probs exceeds its bound; every
@@ -367,27 +385,36 @@ class RolloutCorrection(nn.Module):
         dtype = dtype_of(logprob, rollout_logprob)
         lr = log_ratio(logprob, rollout_logprob, m, dtype)
         metrics: dict[str, Tensor] = {}
+        # the kept tokens first: a token the rejection drops never enters the weights' batch mean
+        keep = m
+        rs_metrics: dict[str, Tensor] = {}
+        if self.rejection:
+            keep, rs_metrics = rejection_keep(lr, m, self.rejection)
+        if self.offpolicy_mask_threshold is not None:
+            if advantages is None:  # checked in _check; never reached
+                raise ValueError("`offpolicy_mask_threshold` is set: pass `advantages`.")
+            kept = offpolicy_keep(lr, m, advantages, self.offpolicy_mask_threshold)
+            dropped = (m & ~kept).any(-1)
+            rs_metrics["offpolicy_seq_masked_fraction"] = dropped.sum().to(torch.float64) / m.any(-1).sum().to(torch.float64)
+            keep = keep & kept
         weights = None
         if self.weights is not None:
             raw, weights = importance_weights(lr, m, self.weights, self.mode, self.lower, self.upper)
             metrics.update(weight_metrics(raw, weights, lr, m, self.weights, self.mode, self.lower, self.upper))
+            # a weight that is not finite (a NaN log-prob) at a token the mask drops is junk: 0, and out of the mean
+            junk = m & ~keep & ~weights.isfinite()
+            weights = torch.where(junk, torch.zeros((), dtype=weights.dtype, device=weights.device), weights)
             if self.batch_normalize:
-                assert dp is not None
-                terms = sum_or_refuse(dp, weight_mean_terms(weights, m, self.weights), None, weights.device, 2, "RolloutCorrection")
-                weights, metrics["rollout_is_batch_norm_factor"] = normalize_weights(weights, terms)
-        keep = m
-        if self.rejection:
-            keep, rs_metrics = rejection_keep(lr, m, self.rejection)
-            metrics.update(rs_metrics)
-        if self.offpolicy_mask_threshold is not None:
-            assert advantages is not None
-            kept = offpolicy_keep(lr, m, advantages, self.offpolicy_mask_threshold)
-            dropped = (m & ~kept).any(-1)
-            metrics["offpolicy_seq_masked_fraction"] = dropped.sum().to(torch.float64) / m.any(-1).sum().to(torch.float64)
-            keep = keep & kept
+                if dp is None:  # set above whenever batch_normalize is
+                    raise RuntimeError("RolloutCorrection: no data parallel group for batch_normalize")
+                terms = weight_mean_terms(weights, m & ~junk, self.weights)
+                terms = sum_or_refuse(dp, terms, None, weights.device, 2, "RolloutCorrection")
+                weights, metrics["rollout_is_batch_norm_factor"] = _normalized(weights, m, terms)
+        metrics.update(rs_metrics)
         gate = None
         if self.trust_region is not None:
-            assert advantages is not None and self.trust_threshold is not None
+            if advantages is None or self.trust_threshold is None:  # checked in _check and at construction; never reached
+                raise ValueError("`trust_region` is set: pass `advantages`.")
             gate = trust_region_keep(logprob, rollout_logprob, advantages, m, self.trust_region, *self.trust_threshold, dtype)
             n = m.sum().to(torch.float64)
             metrics["trust_region_masked_fraction"] = (m & ~gate).sum().to(torch.float64) / n

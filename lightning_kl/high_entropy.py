@@ -89,7 +89,8 @@ def high_entropy_mask(
     what it holds: NaN, inf). Ties at the threshold are all kept, so slightly more than ``top`` of the
     tokens may be. ``top=1`` keeps every valid token (the threshold is their least entropy). The
     threshold and the comparison are in the entropy's dtype, at least float32 (TRL computes the
-    threshold in float32 and compares in the entropy's dtype: the same for float32 entropies).
+    threshold in float32 and compares in the entropy's dtype: the same for float32 entropies); across
+    processes in the widest of theirs (float64 entropies on one process: float64 on every one).
 
     No valid token anywhere: nothing is kept. A NaN entropy at a valid position of any process: the
     threshold is NaN and nothing is kept, on every process (``torch.quantile`` gives NaN there too).
@@ -143,7 +144,7 @@ def high_entropy_mask(
     if values.numel() == 0:  # no token on any process (sizes are known to the host)
         return torch.zeros_like(valid)
     threshold = masked_quantile(values, flags, 1.0 - top)
-    return valid & (local >= threshold)
+    return valid & (local.to(values.dtype) >= threshold)  # in the group's dtype (float64 if any process's is)
 
 
 def _gathered(
@@ -153,10 +154,13 @@ def _gathered(
 
     The sizes travel with a flag per process: a process whose inputs were refused (``problem``) makes
     every process raise its error (:func:`~lightning_kl.ground.parallel.agree`), at no extra collective
-    when none was.
+    when none was; and with each process's dtype: the values are gathered in the widest (float64 when
+    any process's entropies are float64, as ``torch.cat`` of them would promote), the same on every process.
     """
-    if dp.size == 1:
-        assert values is not None and valid is not None
+    if values is None or valid is None:
+        if dp.size == 1:  # never: a single process raises its own error before this
+            raise RuntimeError("high_entropy_mask: no values to gather")
+    elif dp.size == 1:
         return values, valid
     if values is not None:
         device = values.device
@@ -164,14 +168,18 @@ def _gathered(
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         device = torch.device("cpu")
-    mine = torch.tensor([0 if values is None else values.numel(), problem is not None], dtype=torch.int64, device=device)
-    sizes = [torch.zeros(2, dtype=torch.int64, device=device) for _ in range(dp.size)]
+    width = 0 if values is None else values.element_size()
+    mine = torch.tensor([0 if values is None else values.numel(), problem is not None, width], dtype=torch.int64, device=device)
+    sizes = [torch.zeros(3, dtype=torch.int64, device=device) for _ in range(dp.size)]
     dist.all_gather(sizes, mine, group=dp.group)
-    read = [s.tolist() for s in sizes]  # the host read: the lengths to pad to, and the refusals
-    if any(flag for _, flag in read):
+    read = [s.tolist() for s in sizes]  # the host read: the lengths to pad to, the refusals, the dtypes
+    if any(flag for _, flag, _ in read):
         agree(problem, dp.group)
-    assert values is not None and valid is not None
-    longest = max(n for n, _ in read)
+    if values is None or valid is None:  # never: agree raised for this process's problem
+        raise RuntimeError("high_entropy_mask: no values to gather")
+    if max(w for _, _, w in read) > values.element_size():
+        values = values.to(torch.float64)  # another process's entropies are float64: gather in float64
+    longest = max(n for n, _, _ in read)
     pad = longest - values.numel()
     # values and flags in one buffer of the values' dtype (a flag is 0 or 1, exact in any float)
     both = torch.stack([values, valid.to(values.dtype)])

@@ -2,6 +2,8 @@ r"""``KLPenaltyLoss``: the KL term of an RL loss, as an ``nn.Module``."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import math
 import weakref
 from typing import Any, Optional, Union
@@ -14,13 +16,13 @@ from lightning_kl.compute import check_max_weight, kl_penalty_values
 from lightning_kl.controllers import KLController
 from lightning_kl.estimators import EstimatorName, parse_estimator
 from lightning_kl.ground.checks import warn_user
-from lightning_kl.ground.parallel import check_parallel_args, collective_device, data_parallel_group, sum_or_refuse
+from lightning_kl.ground.parallel import check_parallel_args, collective_device, data_parallel_group, held_warnings, sum_or_refuse
 from lightning_kl.ground.sampler import Sampling
 from lightning_kl.inputs import check_kl_inputs, resolve_sampling
 from lightning_kl.kernels.divergence import Divergence, check_divergence, kl_weights
 from lightning_kl.logprobs import FromHidden
 from lightning_kl.metric import KLMetric
-from lightning_kl.reduce import COUNT_OF_MODE, AggMode, check_agg_mode, controlled_kl_statistics, reduce_kl
+from lightning_kl.reduce import COUNT_OF_MODE, GLOBAL_TERMS, AggMode, check_agg_mode, controlled_kl_statistics, reduce_kl
 from lightning_kl.sequence import Level, check_kl_to_go, check_level, check_sequence_agg
 
 __all__ = ["KLPenaltyLoss", "controlled_kl_statistics", "live_losses"]
@@ -317,24 +319,30 @@ class KLPenaltyLoss(ControllerState):
         if accumulate_grad_batches is None:
             accumulate_grad_batches = self._trainer_accumulation()
         dp = data_parallel_group(self.process_group, self.device_mesh) if self.global_batch else None
-        try:
-            inputs = check_kl_inputs(
-                logprob, ref_logprob, self.spec, mask, old_logprob, sampled_logprob, self.level, self.sampling,
-                num_tokens, num_seqs, accumulate_grad_batches,
+        collective = dp is not None and dp.size > 1 and COUNT_OF_MODE.get(self.agg) is not None
+        # a warning before the global batch's all-reduce is held and issued after it, alike on every process
+        # (raised as an error on one process only, it would leave the others waiting there)
+        with held_warnings(True) if collective else nullcontext() as held:  # (one process: no ground floor on the way)
+            try:
+                inputs = check_kl_inputs(
+                    logprob, ref_logprob, self.spec, mask, old_logprob, sampled_logprob, self.level, self.sampling,
+                    num_tokens, num_seqs, accumulate_grad_batches,
+                )
+            except (TypeError, ValueError) as err:
+                if not collective:
+                    raise
+                # the other processes are on their way to the all-reduce of the global batch's counts: meet them there
+                sum_or_refuse(dp, None, str(err), collective_device(logprob, dp), GLOBAL_TERMS, "KLPenaltyLoss")
+                raise  # the device form: the others stop on a device assertion
+            kl = kl_penalty_values(
+                inputs, self.spec, self.max_weight, self.level, self.kl_to_go, self.sampling, (self.divergence, self.beta)
             )
-        except (TypeError, ValueError) as err:
-            if dp is None or dp.size == 1 or COUNT_OF_MODE.get(self.agg) is None:
-                raise
-            # the other processes are on their way to the all-reduce of the global batch's counts: meet them there
-            sum_or_refuse(dp, None, str(err), collective_device(logprob, dp), 2, "KLPenaltyLoss")
-            raise  # the device form: the others stop on a device assertion
-        kl = kl_penalty_values(inputs, self.spec, self.max_weight, self.level, self.kl_to_go, self.sampling, (self.divergence, self.beta))
-        k = self._accumulation(inputs)
-        given = (inputs.num_tokens, inputs.num_seqs)
-        self._warn_if_micro_batch_counts(k, given)
-        self._warn_if_lengths_vary(inputs.mask, inputs.num_tokens)
+            k = self._accumulation(inputs)
+            given = (inputs.num_tokens, inputs.num_seqs)
+            self._warn_if_micro_batch_counts(k, given)
+            self._warn_if_lengths_vary(inputs.mask, inputs.num_tokens)
         controlled = self.controller is not None and self.training  # an eval() forward is no part of a step
-        reduced = reduce_kl(kl, inputs.mask, self.agg, self.agg_norm, *given, k, dp, self.agg if controlled else None)
+        reduced = reduce_kl(kl, inputs.mask, self.agg, self.agg_norm, *given, k, dp, self.agg if controlled else None, held=held)
         self.metric(kl.detach(), inputs.mask, sums=reduced.metric_sums)
         return self._coefficient.apply(reduced.loss, reduced.controller_stats, self._trainer_ref is not None)
 

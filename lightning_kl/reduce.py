@@ -21,10 +21,12 @@ import torch
 from torch import Tensor
 
 from lightning_kl.ground.checks import compute_dtype
-from lightning_kl.ground.parallel import sum_or_refuse
+from lightning_kl.ground.checks import host_reads
+from lightning_kl.ground.parallel import release_warnings, sum_or_refuse
 
 __all__ = [
     "AGG_MODES",
+    "GLOBAL_TERMS",
     "COUNT_OF_MODE",
     "AggMode",
     "Reduced",
@@ -60,6 +62,11 @@ def check_agg_mode(mode: object) -> str:
         raise ValueError(f"Unknown aggregation mode {mode!r}. Valid modes: {valid}.")
     return mode
 
+
+#: The length of the vector the loss sums over the data parallel group under ``global_batch=True`` (one
+#: all-reduce): valid tokens, sequences, the processes that gave the step's total, the processes that held a
+#: warning. A process that refused its inputs sends a vector of this length too (``sum_or_refuse``).
+GLOBAL_TERMS = 4
 
 # the count each aggregation mode divides by: 0 valid tokens, 1 sequences (the others divide by none)
 COUNT_OF_MODE = {"token-mean": 0, "seq-mean-token-sum": 1, "seq-mean-token-mean": 1}
@@ -178,6 +185,21 @@ class Reduced(NamedTuple):
     controller_stats: Optional[Tensor]
 
 
+def _same_totals_everywhere(gave: Tensor, world: int, name: str, agg: str) -> None:
+    # every process raises alike: the count of processes that gave the total is the same sum everywhere
+    message = (
+        f"KLPenaltyLoss(agg={agg!r}, global_batch=True): `{name}` (the step's total) was given on some data "
+        f"parallel processes and not on others: give it on every process (each its own step's total, "
+        f"`lk.step_totals`) or on none. A process without it would divide by its micro-batch's count among the "
+        f"others' step totals, and every process's loss would be wrong."
+    )
+    if host_reads(gave.device):
+        if 0 < float(gave) < world:
+            raise ValueError(f"{message} (given on {int(gave)} of {world} processes)")
+    else:
+        torch._assert_async((gave == 0) | (gave == world), message)
+
+
 def reduce_kl(
     kl: Tensor,
     mask: Optional[Tensor],
@@ -188,6 +210,7 @@ def reduce_kl(
     k: int = 1,
     dp: Any = None,
     controller_agg: Optional[str] = None,
+    held: Optional[list[Any]] = None,
 ) -> Reduced:
     """The loss's reduce step: :func:`aggregate_checked` of ``kl`` with the step's totals and the global batch.
 
@@ -198,6 +221,13 @@ def reduce_kl(
     divides by a count it was not given: each micro-batch then divides by its own count, and Lightning's
     average of the ``k`` micro-batch values is the nearest to the step's value (times ``k`` it would be ``k``
     times too large). ``controller_agg``: also the controller's sums (:func:`controlled_kl_statistics`).
+
+    Under ``dp``, the step's total of the mode (``num_tokens`` for ``token-mean``, ``num_seqs`` for the
+    ``seq-mean`` modes) must be given on every process or on none: given on some only, every process
+    raises the same ``ValueError`` (a process without it would divide by its micro-batch count among the
+    others' step totals, and every process's loss would be wrong). ``held``: the warnings the caller held
+    before this collective (:func:`~lightning_kl.ground.parallel.held_warnings`), issued after it, alike on
+    every process.
     """
     given = (num_tokens, num_seqs)
     counts: dict[str, Any] = {}
@@ -208,11 +238,17 @@ def reduce_kl(
     if dp is not None and dp.size > 1:
         world = dp.size
         if needed is not None:
-            local = aggregate_counts_checked(kl, mask).to(torch.float64)
+            counted = aggregate_counts_checked(kl, mask).to(torch.float64)
+            local = torch.zeros(GLOBAL_TERMS, dtype=torch.float64, device=counted.device)
+            local[:2] = counted
             if given[needed] is not None:
                 # this process's step total in place of its micro-batch count
                 local[needed] = torch.as_tensor(given[needed], dtype=torch.float64, device=local.device).reshape(())
-            local = sum_or_refuse(dp, local, None, local.device, 2, "KLPenaltyLoss")  # see KLPenaltyLoss.forward
+            local[2] = float(given[needed] is not None)
+            local[3] = float(bool(held))
+            local = sum_or_refuse(dp, local, None, local.device, GLOBAL_TERMS, "KLPenaltyLoss")  # see KLPenaltyLoss.forward
+            _same_totals_everywhere(local[2], dp.size, ("num_tokens", "num_seqs")[needed], agg)
+            release_warnings(held, local[3], dp)
             counts["num_tokens"], counts["num_seqs"] = local[0], local[1]
     counts["world_size"] = world * (1 if needed is not None and given[needed] is None else k)
     loss = aggregate_checked(kl, mask, agg, norm, **counts, dtype=kl.dtype)  # kl: in the compute dtype already

@@ -21,6 +21,7 @@ import torch
 from torch.testing import assert_close
 
 import lightning_kl as lk
+from _recipes_stacks import run_plain_loop, run_trl_recipe, run_verl_recipe
 from _snippets import ROOT, all_snippets, snippet
 
 B, T, V, D = 4, 6, 11, 8
@@ -434,6 +435,9 @@ RUNNERS: dict[tuple[str, int], Callable[..., None]] = {
     ("docs/mismatch.md", 5): run_mismatch_bypass,
     ("docs/mismatch.md", 6): lambda code, mp: run_fragment(code),  # tests/test_trust_region.py: = prime-rl's loss
     ("docs/mismatch.md", 7): lambda code, mp: run_fragment(code),  # tests/test_cov_select.py: = verl's losses
+    ("docs/recipes_stacks.md", 0): run_plain_loop,
+    ("docs/recipes_stacks.md", 1): run_trl_recipe,  # TRL's names stood in for (tests/_recipes_stacks.py)
+    ("docs/recipes_stacks.md", 2): run_verl_recipe,  # verl's likewise
     ("docs/refresh.md", 0): None,  # needs tmp_path: run_refresh_trainer
     ("docs/refresh.md", 1): lambda code, mp: run_fragment(code),
     ("docs/sampling.md", 0): run_sampling_generate,

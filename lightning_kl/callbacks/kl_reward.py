@@ -45,7 +45,7 @@ class KLRewardCallback(ControllerFaultCallback):
     count once; for DDP the world), so every process holds the same :math:`\beta`, and N replicas
     with batch ``b`` behave like one process with batch ``N * b``. The rewards of a batch use the coefficient
     from before that batch's update. A batch refused on one process (a missing key, log-probs above 0)
-    is refused on every one, with the same ``ValueError`` naming the rank that found it (on an
+    is refused on every one (a ``None`` mask too: the reward needs one), with the same ``ValueError`` naming the rank that found it (on an
     accelerator the others stop on a device assertion), where they would wait in the ``all_reduce``.
 
     Logs ``{log_prefix}coef`` (the :math:`\beta` used for this batch), ``{log_prefix}value`` (the
@@ -174,8 +174,15 @@ class KLRewardCallback(ControllerFaultCallback):
         check_pair(logprobs, ref_logprobs)
         if logprobs.ndim < 1:
             raise ValueError(f"`{self.logprobs_key}` must have a token dimension, got shape {tuple(logprobs.shape)}.")
+        if batch[self.mask_key] is None:
+            raise ValueError(
+                f"KLRewardCallback: batch[{self.mask_key!r}] is None: the reward needs the response mask "
+                f"`[..., t]`, True on the response's tokens (the last one takes a per-sequence score). When "
+                f"every token is valid, pass `torch.ones_like({self.logprobs_key}, dtype=torch.bool)`."
+            )
         mask = check_mask(batch[self.mask_key], logprobs, self.logprobs_key)
-        assert mask is not None
+        if mask is None:  # not None: refused above
+            raise ValueError(f"KLRewardCallback: batch[{self.mask_key!r}] is None.")
         check_logprobs({self.logprobs_key: logprobs, self.ref_logprobs_key: ref_logprobs}, mask)
         if not isinstance(scores, Tensor):
             raise TypeError(f"`{self.scores_key}` must be a tensor, got {type(scores).__name__}.")

@@ -27,6 +27,9 @@ A refusal in code that runs on several processes is agreed before it is raised (
 from __future__ import annotations
 
 import re
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -34,9 +37,18 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_kl.ground.checks import host_reads
+from lightning_kl.ground.checks import host_reads, warn_user
 
-__all__ = ["DataParallelGroup", "agree", "check_parallel_args", "collective_device", "data_parallel_group", "sum_or_refuse"]
+__all__ = [
+    "DataParallelGroup",
+    "agree",
+    "check_parallel_args",
+    "collective_device",
+    "data_parallel_group",
+    "held_warnings",
+    "release_warnings",
+    "sum_or_refuse",
+]
 
 #: The name of the data parallel dimension in Lightning's ``ModelParallelStrategy`` device mesh.
 DATA_PARALLEL_DIM = "data_parallel"
@@ -276,6 +288,45 @@ def sum_or_refuse(
     elif problem is None:  # (the refusing process raises its own error on return)
         torch._assert_async(packed[size] == 0, f"{who}: another data parallel process refused its inputs")
     return packed[:size]
+
+
+@contextmanager
+def held_warnings(hold: bool) -> Iterator[Optional[list[Any]]]:
+    """Hold the warnings raised inside (record them, neither shown nor raised) when ``hold``; yield their list.
+
+    For the code before a collective: a warning that a filter turns into an error (``-W error``) on one
+    process only would raise there and leave the others waiting in the collective. Held, it travels as a
+    flag in the collective (``bool(list)``), and :func:`release_warnings` issues it after, alike on every
+    process. ``hold=False`` holds nothing and yields None.
+    """
+    if not hold:
+        yield None
+        return
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # recorded, whatever the filters say (they apply at release)
+        yield caught
+
+
+def release_warnings(held: Optional[list[Any]], anyone: Tensor, dp: DataParallelGroup) -> None:
+    """Issue the warnings :func:`held_warnings` held, after the collective that carried ``anyone``.
+
+    ``anyone``: the sum over ``dp`` of each process's ``bool(held)``. Where values are read on the host
+    (:func:`~lightning_kl.ground.checks.host_reads`), when any process held one, the warnings of every
+    process are gathered (one more collective, only then) and every process issues all of them, in rank
+    order, once each: a filter that makes them errors then raises on every process alike. Elsewhere
+    nothing is read per call: each process issues its own. Every process of ``dp`` must call it.
+    """
+    if held is None:
+        return
+    mine = [(str(w.message), w.category) for w in held]
+    if dp.size > 1 and host_reads(anyone.device):
+        if not bool(anyone > 0):
+            return
+        everyone: list[Any] = [None] * dp.size
+        dist.all_gather_object(everyone, mine, group=dp.group)
+        mine = list(dict.fromkeys(item for found in everyone for item in found))
+    for message, category in mine:
+        warn_user(message, category)
 
 
 def data_parallel_group(
