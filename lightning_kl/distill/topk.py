@@ -94,7 +94,7 @@ class TopK:
     with the student, on the rows its ``mask`` keeps (each error names the first position): ids in
     ``[0, V)``, no duplicate id in a row, no NaN, log-probs at most :attr:`tolerance` above 0 (those
     within it count as 0), and a row's top-k mass :math:`\sum e^{\ell}` at most ``1 + tolerance``
-    (its tail is 0 then).
+    (a tail below what it resolves then: see the tails' resolution in :mod:`lightning_kl.distill.topk`).
 
     Example:
         >>> teacher = TopK(torch.tensor([[2, 0]]), torch.tensor([[-0.2, -2.0]]))  # q = 0.819, 0.135; tail 0.046
