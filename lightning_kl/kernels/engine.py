@@ -742,9 +742,12 @@ class _Rows(torch.autograd.Function):
             e = z.sub_(_finite(m))
             if temp != 1.0:
                 e.div_(temp)
-            if not other:
+            if support is None:  # a record: the processing's own ops (on-policy the same bits by construction)
+                if recorded is not None:  # off the record e may exceed 0 (exp overflows there, then is masked)
+                    stats[_CALL, pos] = torch.logsumexp(e, dim=-1)
                 u = e.exp_()
-                stats[_CALL, pos] = u.sum(dim=-1).log_()
+                if recorded is None:
+                    stats[_CALL, pos] = u.sum(dim=-1).log_()
                 u.masked_fill_(removed, 0)
             else:  # logits above the kept top: e > 0 there
                 stats[_CALL, pos] = torch.logsumexp(e, dim=-1)
