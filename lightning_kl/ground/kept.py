@@ -33,7 +33,7 @@ from typing import Any, Sequence, Union
 import torch
 from torch import Tensor
 
-__all__ = ["KeptSets", "as_kept_sets"]
+__all__ = ["KeptSets", "as_kept_sets", "check_nonempty", "report_missing"]
 
 
 def _position(shape: torch.Size, flat: int) -> tuple[int, ...]:
@@ -179,7 +179,9 @@ class KeptSets:
         if not isinstance(scores, Tensor):
             scores = torch.stack(list(scores), dim=1)
         if scores.dim() != 3 or not scores.is_floating_point():
-            raise ValueError(f"kept sets: generate's scores must be t tensors [b, V] or one [b, t, V] float tensor, got shape {tuple(scores.shape)}.")
+            raise ValueError(
+                f"kept sets: generate's scores must be t tensors [b, V] or one [b, t, V] float tensor, got shape {tuple(scores.shape)}."
+            )
         return cls.from_mask(scores > float("-inf"))
 
     def __getitem__(self, index: Any) -> "KeptSets":
@@ -249,6 +251,9 @@ def check_nonempty(kept: KeptSets, mask: Any) -> None:
         empty = empty & mask
     check_values(
         empty,
-        lambda: ValueError(f"`kept` holds an empty set at position {tuple(empty.nonzero()[0].tolist())}, which the mask says is valid: every scored position needs its kept set."),
+        lambda: ValueError(
+            f"`kept` holds an empty set at position {tuple(empty.nonzero()[0].tolist())}, which the mask says is valid: "
+            "every scored position needs its kept set."
+        ),
         "every valid position needs a non-empty recorded kept set (`kept`)",
     )
