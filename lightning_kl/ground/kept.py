@@ -29,10 +29,12 @@ too: position ``i`` (row-major over ``shape``, the tokens' shape) keeps
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
+
+from lightning_kl.ground.checks import check_temperature, check_values
 
 __all__ = ["KeptSets", "as_kept_sets", "check_nonempty", "report_missing"]
 
@@ -60,6 +62,9 @@ class KeptSets:
             (stored as int64, on the ids' device).
         shape: the tokens' shape (``n`` its number of elements).
         vocab: the vocabulary size ``V``.
+        temperature: optional, the sampler's temperature when the sets were chosen (a record made by
+            ``return_kept=True`` holds it): a replay at another temperature is refused, since the sets
+            were chosen for this one. None (an engine's record that does not say): not checked.
 
     Raises:
         TypeError: for ids or offsets that are not integer tensors.
@@ -76,9 +81,11 @@ class KeptSets:
         tensor([1, 2])
     """
 
-    __slots__ = ("ids", "offsets", "shape", "vocab", "_host")
+    __slots__ = ("ids", "offsets", "shape", "vocab", "temperature", "_host")
 
-    def __init__(self, ids: Tensor, offsets: Tensor, shape: Union[Sequence[int], torch.Size], vocab: int) -> None:
+    def __init__(
+        self, ids: Tensor, offsets: Tensor, shape: Union[Sequence[int], torch.Size], vocab: int, temperature: Optional[float] = None
+    ) -> None:
         for name, t in (("ids", ids), ("offsets", offsets)):
             if not isinstance(t, Tensor) or t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
                 got = t.dtype if isinstance(t, Tensor) else type(t).__name__
@@ -123,9 +130,15 @@ class KeptSets:
         self._host = off.numpy()  # the offsets on the host: replay reads its chunks' bounds with no device sync
         self.shape = shape
         self.vocab = vocab
+        if temperature is not None:
+            temperature = check_temperature(temperature)
+        self.temperature = temperature
 
     def __repr__(self) -> str:
-        return f"KeptSets(shape={tuple(self.shape)}, vocab={self.vocab}, ids={self.ids.numel()}, device={self.ids.device})"
+        return (
+            f"KeptSets(shape={tuple(self.shape)}, vocab={self.vocab}, temperature={self.temperature}, ids={self.ids.numel()}, "
+            f"device={self.ids.device})"
+        )
 
     @property
     def device(self) -> torch.device:
@@ -134,8 +147,8 @@ class KeptSets:
     def to(self, device: Union[str, torch.device]) -> "KeptSets":
         """The same record on ``device`` (no validation again: the offsets' host copy is shared)."""
         out = object.__new__(KeptSets)
-        out.ids, out.offsets, out.shape, out.vocab, out._host = (
-            self.ids.to(device), self.offsets.to(device), self.shape, self.vocab, self._host
+        out.ids, out.offsets, out.shape, out.vocab, out.temperature, out._host = (
+            self.ids.to(device), self.offsets.to(device), self.shape, self.vocab, self.temperature, self._host
         )
         return out
 
@@ -198,10 +211,10 @@ class KeptSets:
         total = int(offsets[-1])
         within = torch.arange(total, device=self.device) - torch.repeat_interleave(offsets[:-1], counts, output_size=total)
         ids = self.ids[torch.repeat_interleave(start, counts, output_size=total) + within]
-        return KeptSets(ids, offsets, shape, self.vocab)
+        return KeptSets(ids, offsets, shape, self.vocab, self.temperature)
 
 
-def as_kept_sets(kept: Any, shape: torch.Size, vocab: int, device: torch.device) -> KeptSets:
+def as_kept_sets(kept: Any, shape: torch.Size, vocab: int, device: torch.device, temperature: Optional[float] = None) -> KeptSets:
     """``kept=`` checked against the tokens' ``shape``, the vocabulary and the device: a :class:`KeptSets`,
     or a pair ``(ids, offsets)`` shaped like the tokens.
 
@@ -212,6 +225,11 @@ def as_kept_sets(kept: Any, shape: torch.Size, vocab: int, device: torch.device)
     if isinstance(kept, KeptSets):
         if kept.shape != shape:
             raise ValueError(f"`kept` holds the sets of positions of shape {tuple(kept.shape)}, but the tokens have shape {tuple(shape)}.")
+        if temperature is not None and kept.temperature is not None and kept.temperature != temperature:
+            raise ValueError(
+                f"`kept` was recorded by a sampler at temperature {kept.temperature}, but it is replayed at {temperature}: "
+                "the kept sets were chosen at the sampler's temperature. Replay with the rollout's sampling=."
+            )
         if kept.vocab != vocab:
             raise ValueError(f"`kept` was recorded over a vocabulary of V={kept.vocab}, but the logits have V={vocab}.")
     elif isinstance(kept, (tuple, list)) and len(kept) == 2 and all(isinstance(t, Tensor) for t in kept):
@@ -229,8 +247,6 @@ def as_kept_sets(kept: Any, shape: torch.Size, vocab: int, device: torch.device)
 def report_missing(missing: Tensor, tokens: Tensor) -> None:
     """Fail on a sampled token that is not in its own recorded set (``missing``, bool like ``tokens``):
     the record is not these tokens'. Named on the CPU; a device-side assertion elsewhere (no host read)."""
-    from lightning_kl.ground.checks import check_values
-
     def named() -> ValueError:
         where = tuple(missing.nonzero()[0].tolist())
         return ValueError(
@@ -245,8 +261,6 @@ def report_missing(missing: Tensor, tokens: Tensor) -> None:
 def check_nonempty(kept: KeptSets, mask: Any) -> None:
     """Fail if a valid position (``mask`` True, or every position for None) has an empty recorded set:
     no distribution to take the entropy of. Named on the CPU; a device-side assertion elsewhere."""
-    from lightning_kl.ground.checks import check_values
-
     empty = kept.sizes() == 0
     if mask is not None:
         empty = empty & mask

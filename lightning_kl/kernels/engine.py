@@ -626,12 +626,12 @@ class _Recorded:
         return removed[:, :vocab] if spare else removed
 
 
-def _assemble(chosen: dict[int, tuple[Tensor, Tensor]], lead: torch.Size, vocab: int, device: torch.device) -> KeptSets:
+def _assemble(chosen: dict[int, tuple[Tensor, Tensor]], lead: torch.Size, vocab: int, device: torch.device, temperature: float) -> KeptSets:
     """The recording's chunks (sizes and ids, by first position) as one :class:`KeptSets` of ``lead``."""
     keys = sorted(chosen)
     counts = torch.cat([chosen[k][0] for k in keys]) if keys else torch.zeros(0, dtype=torch.int64, device=device)
     ids = torch.cat([chosen[k][1] for k in keys]) if keys else torch.zeros(0, dtype=torch.int64, device=device)
-    return KeptSets(ids, torch.cat([counts.new_zeros(1), counts.cumsum(0)]), lead, vocab)
+    return KeptSets(ids, torch.cat([counts.new_zeros(1), counts.cumsum(0)]), lead, vocab, temperature)
 
 
 # the rows of _Rows' per-row statistics: the shift m (largest kept logit), the log-sum c over the kept
@@ -766,7 +766,7 @@ class _Rows(torch.autograd.Function):
 
         _run(work, srcs, rows, state=True)
         if record is not None:
-            record.append(_assemble(chosen, src.lead, src.vocab, device) if truncated else None)
+            record.append(_assemble(chosen, src.lead, src.vocab, device, temp) if truncated else None)
         m, c, zy, spread = stats[_M], stats[_C], stats[_ZY], stats[_A]
         if ignored is not None:  # NaN logits of ignored rows stay out of the group's max and of the values
             m.masked_fill_(ignored, 0)
