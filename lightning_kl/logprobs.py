@@ -283,7 +283,8 @@ def token_logprobs(
             top-k, top-p and min-p are not applied again. On-policy this is the processed log-prob
             bitwise; off-policy it is finite for every sampled token, with the gradient
             :math:`([j = y] - [j \in K] \tilde p_j) / T`. A sampled token missing from its own set
-            fails (position named). Logits, :class:`FromHidden` and vocabulary shards (there a
+            fails (position named, whatever ``outside`` says), and so does a record made at another
+            temperature than ``sampling``'s. Logits, :class:`FromHidden` and vocabulary shards (there a
             :class:`~lightning_kl.ground.kept.KeptSets`, the same on every rank); not with ``kept_from``.
         return_kept: also return the kept set of every position
             (:class:`~lightning_kl.ground.kept.KeptSets` shaped like ``tokens``, empty at ignored
@@ -354,7 +355,7 @@ def _token_logprobs(
         check_matching("logits", src.x, "kept_from", kept_from)
         kept_from = kept_from.detach()
     if kept is not None:
-        kept = _replayed(kept, kept_from, part, tokens.shape, src, lead.device)
+        kept = _replayed(kept, kept_from, part, tokens.shape, src, lead.device, proc.temperature)
     record: Optional[list[Any]] = [] if return_kept and kept is None else None  # a replay returns its own record
     lp, log_kept, out = token_logprobs_kernel(src, ids, ignored, proc, part, chunk_size, kept_from, kept, record)
     if kept is not None:
@@ -368,7 +369,9 @@ def _token_logprobs(
     return (lp,) + ((log_kept,) if return_log_kept else ()) + ((kept if record is None else record[0],) if return_kept else ())
 
 
-def _replayed(kept: Any, kept_from: Any, part: Partition, shape: torch.Size, src: Tensors, device: torch.device) -> KeptSets:
+def _replayed(
+    kept: Any, kept_from: Any, part: Partition, shape: torch.Size, src: Tensors, device: torch.device, temperature: float
+) -> KeptSets:
     """``kept=`` checked for replay on this source (no ``kept_from``; on a vocabulary shard a
     :class:`KeptSets`, whose vocabulary the shards are not checked against)."""
     if kept_from is not None:
@@ -376,8 +379,8 @@ def _replayed(kept: Any, kept_from: Any, part: Partition, shape: torch.Size, src
     if part.split:
         if not isinstance(kept, KeptSets):
             raise TypeError("on a vocabulary shard `kept` must be a KeptSets (lightning_kl.ground.kept), which names the vocabulary size.")
-        return as_kept_sets(kept, shape, kept.vocab, device)
-    return as_kept_sets(kept, shape, src.x.shape[-1] if src.weight is None else src.weight.shape[0], device)
+        return as_kept_sets(kept, shape, kept.vocab, device, temperature)
+    return as_kept_sets(kept, shape, src.x.shape[-1] if src.weight is None else src.weight.shape[0], device, temperature)
 
 
 def token_entropy(
@@ -418,7 +421,7 @@ def token_entropy(
     check_chunk_size(chunk_size)
     mask = check_mask(mask, lead, "hidden" if src.weight is not None else "logits", without="the last dimension")
     if kept is not None:
-        kept = _replayed(kept, None, part, lead.shape[:-1], src, lead.device)
+        kept = _replayed(kept, None, part, lead.shape[:-1], src, lead.device, proc.temperature)
         check_nonempty(kept, mask)
     return entropy_kernel(src, None if mask is None else ~mask.reshape(-1), proc, part, chunk_size, kept)
 
@@ -463,7 +466,7 @@ def token_logprobs_and_entropy(
     vocab = None if part.split else (src.x.shape[-1] if src.weight is None else src.weight.shape[0])
     ids, ignored = check_tokens(tokens, lead.shape[:-1], vocab, lead.device, "hidden" if src.weight is not None else "logits", ignore_index)
     if kept is not None:
-        kept = _replayed(kept, None, part, tokens.shape, src, lead.device)
+        kept = _replayed(kept, None, part, tokens.shape, src, lead.device, proc.temperature)
     lp, ent, out = token_logprobs_entropy_kernel(src, ids, ignored, proc, part, chunk_size, kept)
     if kept is not None:
         report_missing(out, tokens)

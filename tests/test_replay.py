@@ -281,6 +281,13 @@ def test_bad_records_fail_naming_the_position():
         lk.token_logprobs(z, y, sampling=s, kept=torch.ones(2, 3, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"`kept` \(replay\) and `kept_from` choose the kept set each: pass one"):
         lk.token_logprobs(z, y, sampling=s, kept=good, kept_from=z)
+    # a record made at one temperature replayed at another: refused (an engine's record without one: not checked)
+    _, at07 = lk.token_logprobs(z, y, sampling=lk.Sampling(0.7, top_k=2), return_kept=True, outside="-inf")
+    assert at07.temperature == 0.7 and at07[:1].temperature == 0.7 and at07.to("cpu").temperature == 0.7
+    with pytest.raises(ValueError, match="recorded by a sampler at temperature 0.7, but it is replayed at 1.0"):
+        lk.token_logprobs(z, y.masked_fill(~at07.to_mask().gather(-1, y[..., None])[..., 0], -100), sampling=s, ignore_index=-100, kept=at07)
+    with pytest.raises(ValueError, match="`temperature` must be a finite number > 0"):
+        KeptSets(ids, off, (3,), 4, temperature=0.0)
     # a sampled token missing from its own set: position and id named, whatever `outside` says
     mask = torch.ones(2, 3, 4, dtype=torch.bool)
     mask[1, 2, 1] = False

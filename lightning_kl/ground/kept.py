@@ -14,11 +14,12 @@ sampling=s, return_kept=True)`` records, ``lk.token_logprobs(x, tokens, sampling
 
 **Why ragged ids.** A recorded set must be stored as the token ids themselves (or a mask of them): a
 rank threshold on the sorted scores would need the old logits to rank again, and replay has only the
-new ones. Of ids and masks, the ids are far smaller for the sets samplers keep: at
+new ones. Of ids and masks, the ids are smaller for the sets samplers keep: at
 :math:`V = 151{,}936` a packed bitmask costs :math:`V/8 = 18{,}992` bytes per token whatever the set,
 while ragged ids cost :math:`4|K| + 8` bytes (int32 ids, one int64 offset): 208 bytes for top-k 50,
-tens of bytes for the usual top-p nucleus, and the mask wins only past :math:`|K| = 4{,}746`
-(3.1% of the vocabulary, a flat distribution at a high temperature).
+12 for a nucleus of one token, 1,155 on average for top-p 0.9 at T = 0.9 over logits ``4 N(0, 1)``
+(a flat distribution: 287 tokens kept on average); the mask wins only past :math:`|K| = 4{,}746`
+(3.1% of the vocabulary).
 
 :class:`KeptSets` holds ``n`` positions' sets in the compressed-row form an inference engine can give
 too: position ``i`` (row-major over ``shape``, the tokens' shape) keeps
@@ -28,12 +29,14 @@ too: position ``i`` (row-major over ``shape``, the tokens' shape) keeps
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
 
-__all__ = ["KeptSets", "as_kept_sets"]
+from lightning_kl.ground.checks import check_temperature, check_values
+
+__all__ = ["KeptSets", "as_kept_sets", "check_nonempty", "report_missing"]
 
 
 def _position(shape: torch.Size, flat: int) -> tuple[int, ...]:
@@ -59,6 +62,9 @@ class KeptSets:
             (stored as int64, on the ids' device).
         shape: the tokens' shape (``n`` its number of elements).
         vocab: the vocabulary size ``V``.
+        temperature: optional, the sampler's temperature when the sets were chosen (a record made by
+            ``return_kept=True`` holds it): a replay at another temperature is refused, since the sets
+            were chosen for this one. None (an engine's record that does not say): not checked.
 
     Raises:
         TypeError: for ids or offsets that are not integer tensors.
@@ -75,9 +81,11 @@ class KeptSets:
         tensor([1, 2])
     """
 
-    __slots__ = ("ids", "offsets", "shape", "vocab", "_host")
+    __slots__ = ("ids", "offsets", "shape", "vocab", "temperature", "_host")
 
-    def __init__(self, ids: Tensor, offsets: Tensor, shape: Union[Sequence[int], torch.Size], vocab: int) -> None:
+    def __init__(
+        self, ids: Tensor, offsets: Tensor, shape: Union[Sequence[int], torch.Size], vocab: int, temperature: Optional[float] = None
+    ) -> None:
         for name, t in (("ids", ids), ("offsets", offsets)):
             if not isinstance(t, Tensor) or t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
                 got = t.dtype if isinstance(t, Tensor) else type(t).__name__
@@ -122,9 +130,15 @@ class KeptSets:
         self._host = off.numpy()  # the offsets on the host: replay reads its chunks' bounds with no device sync
         self.shape = shape
         self.vocab = vocab
+        if temperature is not None:
+            temperature = check_temperature(temperature)
+        self.temperature = temperature
 
     def __repr__(self) -> str:
-        return f"KeptSets(shape={tuple(self.shape)}, vocab={self.vocab}, ids={self.ids.numel()}, device={self.ids.device})"
+        return (
+            f"KeptSets(shape={tuple(self.shape)}, vocab={self.vocab}, temperature={self.temperature}, ids={self.ids.numel()}, "
+            f"device={self.ids.device})"
+        )
 
     @property
     def device(self) -> torch.device:
@@ -133,8 +147,8 @@ class KeptSets:
     def to(self, device: Union[str, torch.device]) -> "KeptSets":
         """The same record on ``device`` (no validation again: the offsets' host copy is shared)."""
         out = object.__new__(KeptSets)
-        out.ids, out.offsets, out.shape, out.vocab, out._host = (
-            self.ids.to(device), self.offsets.to(device), self.shape, self.vocab, self._host
+        out.ids, out.offsets, out.shape, out.vocab, out.temperature, out._host = (
+            self.ids.to(device), self.offsets.to(device), self.shape, self.vocab, self.temperature, self._host
         )
         return out
 
@@ -179,7 +193,9 @@ class KeptSets:
         if not isinstance(scores, Tensor):
             scores = torch.stack(list(scores), dim=1)
         if scores.dim() != 3 or not scores.is_floating_point():
-            raise ValueError(f"kept sets: generate's scores must be t tensors [b, V] or one [b, t, V] float tensor, got shape {tuple(scores.shape)}.")
+            raise ValueError(
+                f"kept sets: generate's scores must be t tensors [b, V] or one [b, t, V] float tensor, got shape {tuple(scores.shape)}."
+            )
         return cls.from_mask(scores > float("-inf"))
 
     def __getitem__(self, index: Any) -> "KeptSets":
@@ -195,10 +211,10 @@ class KeptSets:
         total = int(offsets[-1])
         within = torch.arange(total, device=self.device) - torch.repeat_interleave(offsets[:-1], counts, output_size=total)
         ids = self.ids[torch.repeat_interleave(start, counts, output_size=total) + within]
-        return KeptSets(ids, offsets, shape, self.vocab)
+        return KeptSets(ids, offsets, shape, self.vocab, self.temperature)
 
 
-def as_kept_sets(kept: Any, shape: torch.Size, vocab: int, device: torch.device) -> KeptSets:
+def as_kept_sets(kept: Any, shape: torch.Size, vocab: int, device: torch.device, temperature: Optional[float] = None) -> KeptSets:
     """``kept=`` checked against the tokens' ``shape``, the vocabulary and the device: a :class:`KeptSets`,
     or a pair ``(ids, offsets)`` shaped like the tokens.
 
@@ -209,6 +225,11 @@ def as_kept_sets(kept: Any, shape: torch.Size, vocab: int, device: torch.device)
     if isinstance(kept, KeptSets):
         if kept.shape != shape:
             raise ValueError(f"`kept` holds the sets of positions of shape {tuple(kept.shape)}, but the tokens have shape {tuple(shape)}.")
+        if temperature is not None and kept.temperature is not None and kept.temperature != temperature:
+            raise ValueError(
+                f"`kept` was recorded by a sampler at temperature {kept.temperature}, but it is replayed at {temperature}: "
+                "the kept sets were chosen at the sampler's temperature. Replay with the rollout's sampling=."
+            )
         if kept.vocab != vocab:
             raise ValueError(f"`kept` was recorded over a vocabulary of V={kept.vocab}, but the logits have V={vocab}.")
     elif isinstance(kept, (tuple, list)) and len(kept) == 2 and all(isinstance(t, Tensor) for t in kept):
@@ -226,8 +247,6 @@ def as_kept_sets(kept: Any, shape: torch.Size, vocab: int, device: torch.device)
 def report_missing(missing: Tensor, tokens: Tensor) -> None:
     """Fail on a sampled token that is not in its own recorded set (``missing``, bool like ``tokens``):
     the record is not these tokens'. Named on the CPU; a device-side assertion elsewhere (no host read)."""
-    from lightning_kl.ground.checks import check_values
-
     def named() -> ValueError:
         where = tuple(missing.nonzero()[0].tolist())
         return ValueError(
@@ -242,13 +261,14 @@ def report_missing(missing: Tensor, tokens: Tensor) -> None:
 def check_nonempty(kept: KeptSets, mask: Any) -> None:
     """Fail if a valid position (``mask`` True, or every position for None) has an empty recorded set:
     no distribution to take the entropy of. Named on the CPU; a device-side assertion elsewhere."""
-    from lightning_kl.ground.checks import check_values
-
     empty = kept.sizes() == 0
     if mask is not None:
         empty = empty & mask
     check_values(
         empty,
-        lambda: ValueError(f"`kept` holds an empty set at position {tuple(empty.nonzero()[0].tolist())}, which the mask says is valid: every scored position needs its kept set."),
+        lambda: ValueError(
+            f"`kept` holds an empty set at position {tuple(empty.nonzero()[0].tolist())}, which the mask says is valid: "
+            "every scored position needs its kept set."
+        ),
         "every valid position needs a non-empty recorded kept set (`kept`)",
     )

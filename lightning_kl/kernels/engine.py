@@ -630,12 +630,12 @@ class _Recorded:
         return removed[:, :vocab] if spare else removed
 
 
-def _assemble(chosen: dict[int, tuple[Tensor, Tensor]], lead: torch.Size, vocab: int, device: torch.device) -> KeptSets:
+def _assemble(chosen: dict[int, tuple[Tensor, Tensor]], lead: torch.Size, vocab: int, device: torch.device, temperature: float) -> KeptSets:
     """The recording's chunks (sizes and ids, by first position) as one :class:`KeptSets` of ``lead``."""
     keys = sorted(chosen)
     counts = torch.cat([chosen[k][0] for k in keys]) if keys else torch.zeros(0, dtype=torch.int64, device=device)
     ids = torch.cat([chosen[k][1] for k in keys]) if keys else torch.zeros(0, dtype=torch.int64, device=device)
-    return KeptSets(ids, torch.cat([counts.new_zeros(1), counts.cumsum(0)]), lead, vocab)
+    return KeptSets(ids, torch.cat([counts.new_zeros(1), counts.cumsum(0)]), lead, vocab, temperature)
 
 
 # the rows of _Rows' per-row statistics: the shift m (largest kept logit), the log-sum c over the kept
@@ -748,9 +748,12 @@ class _Rows(torch.autograd.Function):
             e = z.sub_(_finite(m))
             if temp != 1.0:
                 e.div_(temp)
-            if not other:
+            if support is None:  # a record: the processing's own ops (on-policy the same bits by construction)
+                if recorded is not None:  # off the record e may exceed 0 (exp overflows there, then is masked)
+                    stats[_CALL, pos] = torch.logsumexp(e, dim=-1)
                 u = e.exp_()
-                stats[_CALL, pos] = u.sum(dim=-1).log_()
+                if recorded is None:
+                    stats[_CALL, pos] = u.sum(dim=-1).log_()
                 u.masked_fill_(removed, 0)
             else:  # logits above the kept top: e > 0 there
                 stats[_CALL, pos] = torch.logsumexp(e, dim=-1)
@@ -769,7 +772,7 @@ class _Rows(torch.autograd.Function):
 
         _run(work, srcs, rows, state=True)
         if record is not None:
-            record.append(_assemble(chosen, src.lead, src.vocab, device) if truncated else None)
+            record.append(_assemble(chosen, src.lead, src.vocab, device, temp) if truncated else None)
         m, c, spread = stats[_M], stats[_C], stats[_A]
         if ignored is not None:  # NaN logits of ignored rows stay out of the group's max and of the values
             m.masked_fill_(ignored, 0)
