@@ -50,7 +50,7 @@ COEF = 0.5
 #   "on": on-policy; "off": old_logprob (importance weights); "cap": old_logprob and max_weight=1.5;
 #   "totals": the batch split into two halves, each given the step's totals (lk.step_totals);
 #   "hidden": the policy's log-probs (or 'full': both models' logits) from the hidden states and the LM head;
-#   "forward", "jsd", "hidden-jsd": 'full' with that divergence (lk.KLPenaltyLoss(divergence=...))
+#   "jsd", "hidden-jsd": 'full' with divergence="jsd" (from the logits, from the hidden states and the LM head)
 CONFIGS: list[tuple[str, str, str, str]] = (
     [("k3+", agg, "token", "on") for agg in AGG_MODES]
     + [("k2", agg, "sequence", "off") for agg in AGG_MODES if agg != "seq-mean-token-mean"]
@@ -60,8 +60,8 @@ CONFIGS: list[tuple[str, str, str, str]] = (
         ("k3+", "seq-mean-token-mean", "token", "totals"),
         ("full", "token-sum", "token", "on"),
         ("full", "seq-mean-token-sum", "sequence", "on"),
-        # the other divergences (a teacher's): under dp_tp on the vocabulary-sharded logits
-        ("full", "token-mean", "token", "forward"),
+        # another divergence (a teacher's), the JSD: under dp_tp on the vocabulary-sharded logits, its second
+        # read of each shard (the forward KL and the mix on shards: tests/_divergence_parallel_worker.py)
         ("full", "token-sum", "token", "jsd"),
     ]
 )
@@ -167,7 +167,7 @@ class MPProbe(pl.LightningModule):
     def _loss(config: tuple[str, str, str, str]) -> lk.KLPenaltyLoss:
         estimator, agg, level, extra = config
         max_weight = 1.5 if extra == "cap" else None
-        divergence = extra.split("-")[-1] if extra in ("forward", "jsd", "hidden-jsd") else "reverse"
+        divergence = "jsd" if extra in ("jsd", "hidden-jsd") else "reverse"
         return lk.KLPenaltyLoss(estimator, coef=COEF, agg=agg, level=level, global_batch=True, max_weight=max_weight, divergence=divergence)
 
     def configure_model(self) -> None:
