@@ -17,6 +17,7 @@ where that is larger (no float32 result does better). The worst ratio over ``--s
 
     python benchmarks/precision_at_scale.py               # V = 151,937, 8 rows, 3 seeds (a few minutes on 2 cores)
     python benchmarks/precision_at_scale.py --vocab 4096  # quick
+    python benchmarks/precision_at_scale.py --inputs tie  # the logits of tests/test_temperature.py
 """
 
 from __future__ import annotations
@@ -90,6 +91,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--inputs", choices=["spread", "tie"], default="spread",
+                        help="spread: 3 randn + 5; tie: tests/test_temperature.py's, 2 randn + 10 with a near tie in row 0")
     args = parser.parse_args()
     n, v, d, t = args.rows, args.vocab, args.hidden, args.temperature
     worst: dict[str, float] = {}
@@ -102,7 +105,12 @@ def main() -> None:
     warnings.simplefilter("ignore")  # the other side requires grad on purpose
     for seed in range(args.seeds):
         gen = torch.Generator().manual_seed(seed)
-        z64 = 3 * torch.randn(n, v, generator=gen, dtype=torch.float64) + 5
+        if args.inputs == "spread":
+            z64 = 3 * torch.randn(n, v, generator=gen, dtype=torch.float64) + 5
+        else:
+            z64 = 2 * torch.randn(n, v, generator=gen, dtype=torch.float64) + 10
+            top = z64[0].float().max()
+            z64[0, 0], z64[0, 1] = float(top), float(torch.nextafter(top, torch.tensor(float("inf"))))
         r64 = z64 + torch.randn(n, v, generator=gen, dtype=torch.float64)
         tokens = torch.randint(0, v, (n,), generator=gen)
         g = torch.randn(2, n, generator=gen, dtype=torch.float64)
@@ -126,7 +134,7 @@ def main() -> None:
         ref_h = _kl(leaves64, g[0], t, "reverse", True, True)
         for what, a, b, c in zip(("value", "gradient w.r.t. hidden", "gradient w.r.t. weight"), ours_h, plain_h, ref_h):
             note(f"kl-capped-heads: {what}", _ratio(a, b, c))
-    print(f"V = {v:,}, {n} rows, T = {t}, worst of {args.seeds} seeds: error / plain float32's error")
+    print(f"V = {v:,}, {n} rows, T = {t}, inputs {args.inputs!r}, worst of {args.seeds} seeds: error / plain float32's error")
     for key, r in worst.items():
         print(f"  {key:45s} {r:6.2f}x")
     print(f"largest: {max(worst.values()):.2f}x (documented bound: 4x at V = 256, tests/test_temperature.py)")

@@ -49,7 +49,8 @@ COEF = 0.5
 # one configuration a step: (estimator, agg, level, what else)
 #   "on": on-policy; "off": old_logprob (importance weights); "cap": old_logprob and max_weight=1.5;
 #   "totals": the batch split into two halves, each given the step's totals (lk.step_totals);
-#   "hidden": the policy's log-probs (or 'full': both models' logits) from the hidden states and the LM head
+#   "hidden": the policy's log-probs (or 'full': both models' logits) from the hidden states and the LM head;
+#   "jsd", "hidden-jsd": 'full' with divergence="jsd" (from the logits, from the hidden states and the LM head)
 CONFIGS: list[tuple[str, str, str, str]] = (
     [("k3+", agg, "token", "on") for agg in AGG_MODES]
     + [("k2", agg, "sequence", "off") for agg in AGG_MODES if agg != "seq-mean-token-mean"]
@@ -59,9 +60,16 @@ CONFIGS: list[tuple[str, str, str, str]] = (
         ("k3+", "seq-mean-token-mean", "token", "totals"),
         ("full", "token-sum", "token", "on"),
         ("full", "seq-mean-token-sum", "sequence", "on"),
+        # another divergence (a teacher's), the JSD: under dp_tp on the vocabulary-sharded logits, its second
+        # read of each shard (the forward KL and the mix on shards: tests/_divergence_parallel_worker.py)
+        ("full", "token-sum", "token", "jsd"),
     ]
 )
-HIDDEN_CONFIGS = [("k3+", "token-sum", "token", "hidden"), ("full", "seq-mean-token-sum-norm", "token", "hidden")]
+HIDDEN_CONFIGS = [
+    ("k3+", "token-sum", "token", "hidden"),
+    ("full", "seq-mean-token-sum-norm", "token", "hidden"),
+    ("full", "token-mean", "token", "hidden-jsd"),  # the JSD's second read of the FSDP2 head's tiles
+]
 # what the docs say never to do, recorded to show why: the sharded head made whole with full_tensor()
 FULL_TENSOR_CONFIG = ("k3+", "token-sum", "token", "full_tensor")
 
@@ -159,7 +167,8 @@ class MPProbe(pl.LightningModule):
     def _loss(config: tuple[str, str, str, str]) -> lk.KLPenaltyLoss:
         estimator, agg, level, extra = config
         max_weight = 1.5 if extra == "cap" else None
-        return lk.KLPenaltyLoss(estimator, coef=COEF, agg=agg, level=level, global_batch=True, max_weight=max_weight)
+        divergence = "jsd" if extra in ("jsd", "hidden-jsd") else "reverse"
+        return lk.KLPenaltyLoss(estimator, coef=COEF, agg=agg, level=level, global_batch=True, max_weight=max_weight, divergence=divergence)
 
     def configure_model(self) -> None:
         mesh = self.device_mesh
@@ -226,7 +235,7 @@ class MPProbe(pl.LightningModule):
         key = config_key(config)
         ids, mask = batch["input_ids"], batch["mask"]
         tokens = ids[:, P:]
-        hidden = extra in ("hidden", "full_tensor")
+        hidden = extra in ("hidden", "hidden-jsd", "full_tensor")
         logits, h = self._forward(self.policy, ids, hidden)
         with torch.no_grad():
             if self.lora:

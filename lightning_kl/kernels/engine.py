@@ -16,7 +16,9 @@ logits, :math:`T` the temperature. Four parts:
   top-p and min-p as ``generate`` applies them (:func:`~lightning_kl.ground.sampler.process_scores`),
   removed entries ``-inf``: the processed distribution :math:`\tilde p` on its kept set :math:`K`;
 * a **quantity**: the row quantities, token log-prob and entropy (either or both from one read,
-  :class:`_Rows`), or the exact KL to a second source (:class:`_FullKL`).
+  :class:`_Rows`), or the exact KL to a second source (:class:`_FullKL`), or another divergence to it
+  (forward, TRL's generalized JSD, a mix: an option of the same :class:`_FullKL`,
+  :mod:`lightning_kl.kernels.divergence`).
 
 **Exact at every temperature.** Nothing large is subtracted after the division by :math:`T`. Per row
 (or per part of a row: a tile, a rank's shard), with :math:`m` the largest kept logit (exact in the
