@@ -13,7 +13,8 @@ import sys
 
 import torch
 
-torch.set_num_threads(int(sys.argv[1]))
+if __name__ == "__main__":  # (pytest's doctest collection imports this file too)
+    torch.set_num_threads(int(sys.argv[1]))
 
 import lightning_kl as lk  # noqa: E402
 
