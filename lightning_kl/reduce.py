@@ -4,9 +4,11 @@ r"""The reduce step: per-token values to the loss's scalar, and the sums every s
   the valid positions, in a given dtype, and the counts of valid tokens and sequences), used by the
   aggregation, the metric, the reward callback, the controller's KL and the step's totals.
 * :func:`aggregate_checked`: :func:`~lightning_kl.aggregate`'s maths (verl's modes), of checked arguments.
-* :func:`reduce_kl`: the loss's reduction: the aggregate (with the global batch's counts, one ``all_reduce``,
+* :func:`reduce_kl`: the reduction of :class:`~lightning_kl.KLPenaltyLoss` and
+  :class:`~lightning_kl.EntropyBonus`: the aggregate (with the global batch's counts, one ``all_reduce``,
   and the factors of gradient accumulation and data parallel averaging), with the metric's and the
-  controller's sums of the same values.
+  controller's sums of the same values; :func:`refused_alike`, the refusal of one process's inputs
+  on every process of the global batch.
 
 Masking is done with :func:`torch.where`, never by multiplying: a NaN or inf at a padded position
 would otherwise survive as ``nan = inf * 0`` in the result or in the gradient.
@@ -15,13 +17,15 @@ would otherwise survive as ``nan = inf * 0`` in the result or in the gradient.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Literal, NamedTuple, Optional, Union
 
 import torch
 from torch import Tensor
 
 from lightning_kl.ground.checks import compute_dtype
-from lightning_kl.ground.parallel import sum_or_refuse
+from lightning_kl.ground.parallel import collective_device, sum_or_refuse
 
 __all__ = [
     "AGG_MODES",
@@ -36,6 +40,7 @@ __all__ = [
     "masked_row_sums",
     "masked_sums",
     "reduce_kl",
+    "refused_alike",
 ]
 
 #: The aggregation modes accepted by :func:`aggregate` (verl's names and semantics).
@@ -188,6 +193,7 @@ def reduce_kl(
     k: int = 1,
     dp: Any = None,
     controller_agg: Optional[str] = None,
+    who: str = "KLPenaltyLoss",
 ) -> Reduced:
     """The loss's reduce step: :func:`aggregate_checked` of ``kl`` with the step's totals and the global batch.
 
@@ -198,6 +204,7 @@ def reduce_kl(
     divides by a count it was not given: each micro-batch then divides by its own count, and Lightning's
     average of the ``k`` micro-batch values is the nearest to the step's value (times ``k`` it would be ``k``
     times too large). ``controller_agg``: also the controller's sums (:func:`controlled_kl_statistics`).
+    ``who``: the module named when another process refused its inputs (:func:`refused_alike`).
     """
     given = (num_tokens, num_seqs)
     counts: dict[str, Any] = {}
@@ -212,7 +219,7 @@ def reduce_kl(
             if given[needed] is not None:
                 # this process's step total in place of its micro-batch count
                 local[needed] = torch.as_tensor(given[needed], dtype=torch.float64, device=local.device).reshape(())
-            local = sum_or_refuse(dp, local, None, local.device, 2, "KLPenaltyLoss")  # see KLPenaltyLoss.forward
+            local = sum_or_refuse(dp, local, None, local.device, 2, who)  # see refused_alike
             counts["num_tokens"], counts["num_seqs"] = local[0], local[1]
     counts["world_size"] = world * (1 if needed is not None and given[needed] is None else k)
     loss = aggregate_checked(kl, mask, agg, norm, **counts, dtype=kl.dtype)  # kl: in the compute dtype already
@@ -226,3 +233,22 @@ def reduce_kl(
         count = torch.tensor(count, dtype=torch.int64, device=detached.device)
     stats = None if controller_agg is None else controlled_kl_statistics(detached, mask, controller_agg)
     return Reduced(loss, (total, count), stats)
+
+
+@contextmanager
+def refused_alike(dp: Any, agg: str, x: Any, who: str) -> Iterator[None]:
+    """Check inputs inside this block: an input refused on one process is refused on every one.
+
+    Under :func:`reduce_kl`'s global batch (``dp`` of more than one process, a mode that divides by a count)
+    the other processes are on their way to the all-reduce of the counts: a ``TypeError`` or ``ValueError``
+    raised in the block meets them there (:func:`~lightning_kl.ground.parallel.sum_or_refuse`, with a flag),
+    so that every process raises (the same error where values are read on the host; elsewhere the others
+    stop on a device assertion naming ``who``) instead of waiting. ``x``: an input, for the collective's
+    device. Otherwise the error is raised as it is.
+    """
+    try:
+        yield
+    except (TypeError, ValueError) as err:
+        if dp is not None and dp.size > 1 and COUNT_OF_MODE.get(agg) is not None:
+            sum_or_refuse(dp, None, str(err), collective_device(x, dp), 2, who)
+        raise
