@@ -1,10 +1,11 @@
-r"""``KLMetric``: the token-mean of per-token KL values, exact across processes."""
+r"""``KLMetric``: the token-mean of per-token KL values, exact across processes, per step and per epoch."""
 
 from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torchmetrics import Metric
 
@@ -12,7 +13,7 @@ from lightning_kl.ground.checks import check_floating, check_mask
 from lightning_kl.ground.parallel import check_parallel_args, data_parallel_group
 from lightning_kl.reduce import masked_sums
 
-__all__ = ["DataParallelMetric", "KLMetric"]
+__all__ = ["DataParallelMetric", "KLMetric", "all_reduce_states"]
 
 
 def _kl_metric_update(values: Tensor, mask: Optional[Tensor], checked: bool = False) -> tuple[Tensor, Tensor]:
@@ -31,18 +32,76 @@ def _kl_metric_compute(total: Tensor, count: Tensor) -> Tensor:
     return (total / count).to(total.dtype)
 
 
+def all_reduce_states(states: dict[str, Tensor], reductions: dict[str, str], dp: Any) -> dict[str, Tensor]:
+    """0-d metric states reduced over ``dp`` (a :class:`~lightning_kl.ground.parallel.DataParallelGroup`) by
+    their ``"sum"``, ``"max"`` or ``"min"``: every sum in one float64 ``all_reduce`` (int64 counts exact below
+    2**53), every maximum and minimum in one more (a minimum as the maximum of its negation). New tensors in
+    the states' dtypes; the states are not changed. No host read."""
+    out: dict[str, Tensor] = {}
+    for op, names in ((dist.ReduceOp.SUM, [n for n in states if reductions[n] == "sum"]),
+                      (dist.ReduceOp.MAX, [n for n in states if reductions[n] != "sum"])):
+        if not names:
+            continue
+        signs = [-1.0 if reductions[n] == "min" else 1.0 for n in names]
+        packed = torch.stack([sign * states[n].detach().to(torch.float64).reshape(()) for n, sign in zip(names, signs)])
+        dist.all_reduce(packed, op=op, group=dp.group)
+        out.update({n: (sign * packed[i]).to(states[n].dtype) for i, (n, sign) in enumerate(zip(names, signs))})
+    return out
+
+
 class DataParallelMetric(Metric):
     """A torchmetrics ``Metric`` whose state is reduced over the data parallel group, not the world.
 
     ``process_group`` or ``device_mesh`` when given (checked here), else the group found by
     :func:`~lightning_kl.ground.parallel.data_parallel_group` when the state is synced. The base of
-    :class:`KLMetric` and :class:`~lightning_kl.MismatchMetric`.
+    :class:`KLMetric` and :class:`~lightning_kl.MismatchMetric`. Its states are 0-d tensors reduced by
+    ``"sum"``, ``"max"`` or ``"min"``; a subclass computes its value from them in :meth:`compute_states`.
+
+    **Per step.** A call (``forward``, the value Lightning logs per step for ``self.log(name, metric)``)
+    returns the value of the batch of every data parallel process, not this process's: the batch's states
+    are reduced over the group in one ``all_reduce`` (of every sum; one more for maxima and minima), on the
+    device, before the value is computed, while the accumulated state stays this process's (synced when
+    computed, as torchmetrics does). Every process of the group must then call it alike, as every rank's
+    ``training_step`` does. ``dist_sync_on_step=False`` (torchmetrics' name; its default is False, here
+    True, and torchmetrics' own gathering of every state is replaced by the all-reduce) keeps this
+    process's batch value, for a call made on some processes only. ``update`` accumulates without a
+    collective.
     """
 
     def __init__(self, process_group: Any = None, device_mesh: Any = None, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+        sync_on_step = kwargs.pop("dist_sync_on_step", True)
+        if not isinstance(sync_on_step, bool):
+            raise ValueError(f"`dist_sync_on_step` must be True or False, got {sync_on_step!r}.")
+        super().__init__(**kwargs)  # torchmetrics' dist_sync_on_step stays False: its per-state gather is not used
         check_parallel_args(process_group, device_mesh)
         self.data_parallel = (process_group, device_mesh)
+        self.sync_on_step = sync_on_step
+        self._state_reductions: dict[str, str] = {}
+        self._step_group: Any = None  # the data parallel group while a call computes the batch's value
+
+    def add_state(self, name: str, default: Any, dist_reduce_fx: Any = None, persistent: bool = False) -> None:
+        if dist_reduce_fx not in ("sum", "max", "min") or not isinstance(default, Tensor) or default.ndim != 0:
+            raise TypeError(f"{type(self).__name__}: a state is a 0-d tensor reduced by 'sum', 'max' or 'min'; {name!r} is not.")
+        self._state_reductions[name] = dist_reduce_fx
+        super().add_state(name, default, dist_reduce_fx=dist_reduce_fx, persistent=persistent)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        dp = data_parallel_group(*self.data_parallel) if self.sync_on_step else None
+        self._step_group = dp if dp is not None and dp.size > 1 else None
+        try:
+            return super().forward(*args, **kwargs)  # torchmetrics: the batch's states, then compute(), then accumulate
+        finally:
+            self._step_group = None
+
+    def compute(self) -> Any:
+        states = {name: getattr(self, name) for name in self._state_reductions}
+        if self._step_group is not None:  # inside a call: the batch's states, reduced over the group
+            states = all_reduce_states(states, self._state_reductions, self._step_group)
+        return self.compute_states(states)
+
+    def compute_states(self, states: dict[str, Tensor]) -> Any:
+        """The metric's value from its states (this process's, or reduced over the group)."""
+        raise NotImplementedError
 
     def sync(
         self,
@@ -127,5 +186,5 @@ class KLMetric(DataParallelMetric):
         self.total += total
         self.count += count
 
-    def compute(self) -> Tensor:
-        return _kl_metric_compute(self.total, self.count)
+    def compute_states(self, states: dict[str, Tensor]) -> Tensor:
+        return _kl_metric_compute(states["total"], states["count"])

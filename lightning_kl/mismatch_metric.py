@@ -74,5 +74,5 @@ class MismatchMetric(DataParallelMetric):
             else:
                 setattr(self, name, torch.minimum(state, value))
 
-    def compute(self) -> dict[str, Tensor]:
-        return mismatch_compute({name: getattr(self, name) for name in TOTALS_REDUCTIONS})
+    def compute_states(self, states: dict[str, Tensor]) -> dict[str, Tensor]:
+        return mismatch_compute(states)
