@@ -134,15 +134,19 @@ class KLMetric(DataParallelMetric):
     Args:
         process_group: the data parallel ``ProcessGroup``; default: found by itself.
         device_mesh: the same as a ``DeviceMesh``: 1-D, or with a ``"data_parallel"`` dimension.
-        kwargs: torchmetrics' ``Metric`` arguments.
+        kwargs: torchmetrics' ``Metric`` arguments; ``dist_sync_on_step`` (default True here): a call
+            returns the batch of every data parallel process (see below), False: this process's.
 
-    **No data is NaN**: with no valid token since the last reset (an empty or fully masked batch,
-    when logged per step) the result is NaN, as ``KLRewardCallback`` logs for a global batch with no
+    **No data is NaN**: with no valid token since the last reset (an empty or fully masked batch on
+    every process, when logged per step) the result is NaN, as ``KLRewardCallback`` logs for a global batch with no
     valid token; a KL of 0 would read as "the policy is the reference". The loss itself is 0 there.
 
     Log it from a ``LightningModule`` by calling it, then passing the metric object to ``self.log``:
     the call returns the batch's value (logged per step) and accumulates (logged per epoch, and
-    reduced across processes). ``update`` alone accumulates but gives nothing to log per step::
+    reduced across processes). Under DDP the call's value is the global batch's, the token-mean over
+    the batch of every data parallel process (one ``all_reduce`` of the batch's sum and count, on the
+    device, see :class:`DataParallelMetric`): every process calls it alike, as every rank's
+    ``training_step`` does. ``update`` alone accumulates but gives nothing to log per step::
 
         self.metric(values, mask)
         self.log("train/kl", self.metric)
