@@ -62,7 +62,9 @@ class DataParallelMetric(Metric):
     are reduced over the group in one ``all_reduce`` (of every sum; one more for maxima and minima), on the
     device, before the value is computed, while the accumulated state stays this process's (synced when
     computed, as torchmetrics does). Every process of the group must then call it alike, as every rank's
-    ``training_step`` does. ``dist_sync_on_step=False`` (torchmetrics' name; its default is False, here
+    ``training_step`` does. In ``eval()`` mode (a metric inside a LightningModule while it validates: a
+    validation loop may run a different number of batches on each process, and Lightning logs it per
+    epoch, synced when computed) a call keeps this process's value. ``dist_sync_on_step=False`` (torchmetrics' name; its default is False, here
     True, and torchmetrics' own gathering of every state is replaced by the all-reduce) keeps this
     process's batch value, for a call made on some processes only. ``update`` accumulates without a
     collective.
@@ -86,7 +88,9 @@ class DataParallelMetric(Metric):
         super().add_state(name, default, dist_reduce_fx=dist_reduce_fx, persistent=persistent)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        dp = data_parallel_group(*self.data_parallel) if self.sync_on_step else None
+        # in training mode only: a validation loop (eval() mode, Lightning logs it per epoch, synced at compute)
+        # may run a different number of batches on each process
+        dp = data_parallel_group(*self.data_parallel) if self.sync_on_step and self.training else None
         self._step_group = dp if dp is not None and dp.size > 1 else None
         try:
             return super().forward(*args, **kwargs)  # torchmetrics: the batch's states, then compute(), then accumulate

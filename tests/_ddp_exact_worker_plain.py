@@ -5,7 +5,8 @@ port). Rank ``r`` holds rows :func:`rank_rows` of every case of :data:`CASES` (t
 W shards of unequal token counts; one case gives a rank no valid token). For each case, ``agg`` mode and
 dtype it computes ``EntropyBonus(global_batch=...)``'s gradient of a shared parameter, averaged over the
 ranks as DDP averages it, and records it with the per-call values of ``bonus.metric``, ``KLMetric`` and
-``MismatchMetric`` (the batch of every process, or with ``dist_sync_on_step=False`` this process's).
+``MismatchMetric`` (the batch of every process, or with ``dist_sync_on_step=False`` or in ``eval()`` mode
+this process's).
 It also records the error each rank raised when the last rank alone gives a mask of the wrong shape.
 ``tests/test_ddp_exact.py`` compares all of it with one process on the concatenated batch.
 """
@@ -81,6 +82,8 @@ def _main(rank: int, out: str, world: int) -> None:
     metric, local = lk.KLMetric(), lk.KLMetric(dist_sync_on_step=False)
     calls["KLMetric"] = [float(metric(kl[rows], m)), float(local(kl[rows], m)), float(metric(kl[rows], m)),
                          float(metric.compute())]
+    if rank == world - 1:  # in eval() mode a call is this process's and no collective: called on one rank only
+        calls["eval"] = [float(lk.KLMetric().eval()(kl[rows], m))]
     loss = lk.KLPenaltyLoss("k1", coef=1.0)
     loss(-kl[rows], torch.zeros_like(kl[rows]), m)
     calls["KLPenaltyLoss.metric"] = [float(loss.metric._forward_cache)]

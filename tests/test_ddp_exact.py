@@ -90,6 +90,8 @@ def test_a_call_of_a_metric_returns_the_global_batch_value(records) -> None:
         assert glob == pytest.approx(k, rel=1e-13) and again == pytest.approx(k, rel=1e-13)
         assert epoch == pytest.approx(k, rel=1e-13)  # the accumulated state stays each process's: synced once
         assert own == pytest.approx(local[rank], rel=1e-13, nan_ok=True)  # dist_sync_on_step=False
+        if rank == WORLD - 1:  # eval() mode, called on this rank only: its own value, no collective to wait in
+            assert calls["eval"] == pytest.approx([local[rank]], rel=1e-13)
         assert calls["KLPenaltyLoss.metric"] == pytest.approx([-k], rel=1e-13)
         want = lk.mismatch_metrics(-kl, -kl.flip(-1), mask)
         for got in calls["MismatchMetric"]:  # the call's value and compute()
