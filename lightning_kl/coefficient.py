@@ -146,7 +146,7 @@ class Coefficient:
         # would be closed twice, from two measures. Host bookkeeping only: every process decides alike.
         mine = {id(c) for c in controller_chain(self.controller)}
         for other in list(_OPEN):
-            if other is not self and other.forwards and mine & {id(c) for c in controller_chain(other.controller)}:
+            if other is not self and mine & {id(c) for c in controller_chain(other.controller)}:
                 other_name = f"{'another' if other.owner == self.owner else _article(other.owner)} {other.owner}"
                 raise ValueError(
                     shared_controller_message([(f"this {self.owner}", self.measure), (other_name, other.measure)])

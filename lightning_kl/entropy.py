@@ -158,7 +158,7 @@ class EntropyBonus(ControllerState):
         """The scalar bonus ``-coef * aggregate(H, mask, agg)``, from ``x`` (what
         :func:`~lightning_kl.token_entropy` takes) or from precomputed per-token ``entropy``."""
         dp = data_parallel_group(self.process_group, self.device_mesh) if self.global_batch else None
-        with refused_alike(dp, self.agg, entropy if entropy is not None else x, "EntropyBonus"):
+        with refused_alike(dp, self.agg, entropy if entropy is not None else x, "EntropyBonus", self.metric):
             entropy, mask = self._entropy(x, mask, entropy)
         # KLPenaltyLoss's reduce step: the aggregate (the global batch's under global_batch), the metric's sums
         values = entropy.to(compute_dtype(entropy))

@@ -275,7 +275,7 @@ class KLPenaltyLoss(ControllerState):
         if accumulate_grad_batches is None:
             accumulate_grad_batches = self._trainer_accumulation()
         dp = data_parallel_group(self.process_group, self.device_mesh) if self.global_batch else None
-        with refused_alike(dp, self.agg, logprob, "KLPenaltyLoss"):  # the others meet it in the counts' all-reduce
+        with refused_alike(dp, self.agg, logprob, "KLPenaltyLoss", self.metric):  # met in the counts or the metric all-reduce
             inputs = check_kl_inputs(
                 logprob, ref_logprob, self.spec, mask, old_logprob, sampled_logprob, self.level, self.sampling,
                 num_tokens, num_seqs, accumulate_grad_batches,

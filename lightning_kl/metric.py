@@ -10,7 +10,7 @@ from torch import Tensor
 from torchmetrics import Metric
 
 from lightning_kl.ground.checks import check_floating, check_mask
-from lightning_kl.ground.parallel import check_parallel_args, data_parallel_group
+from lightning_kl.ground.parallel import check_parallel_args, data_parallel_group, sum_or_refuse
 from lightning_kl.reduce import masked_sums
 
 __all__ = ["DataParallelMetric", "KLMetric", "all_reduce_states"]
@@ -32,20 +32,25 @@ def _kl_metric_compute(total: Tensor, count: Tensor) -> Tensor:
     return (total / count).to(total.dtype)
 
 
-def all_reduce_states(states: dict[str, Tensor], reductions: dict[str, str], dp: Any) -> dict[str, Tensor]:
+def all_reduce_states(
+    states: dict[str, Tensor], reductions: dict[str, str], dp: Any, who: str = "a metric"
+) -> dict[str, Tensor]:
     """0-d metric states reduced over ``dp`` (a :class:`~lightning_kl.ground.parallel.DataParallelGroup`) by
-    their ``"sum"``, ``"max"`` or ``"min"``: every sum in one float64 ``all_reduce`` (int64 counts exact below
-    2**53), every maximum and minimum in one more (a minimum as the maximum of its negation). New tensors in
-    the states' dtypes; the states are not changed. No host read."""
-    out: dict[str, Tensor] = {}
-    for op, names in ((dist.ReduceOp.SUM, [n for n in states if reductions[n] == "sum"]),
-                      (dist.ReduceOp.MAX, [n for n in states if reductions[n] != "sum"])):
-        if not names:
-            continue
-        signs = [-1.0 if reductions[n] == "min" else 1.0 for n in names]
-        packed = torch.stack([sign * states[n].detach().to(torch.float64).reshape(()) for n, sign in zip(names, signs)])
-        dist.all_reduce(packed, op=op, group=dp.group)
-        out.update({n: (sign * packed[i]).to(states[n].dtype) for i, (n, sign) in enumerate(zip(names, signs))})
+    their ``"sum"``, ``"max"`` or ``"min"``: every sum in one float64 ``all_reduce`` with a refusal flag
+    (:func:`~lightning_kl.ground.parallel.sum_or_refuse`: a process that refused its inputs meets the
+    others there, see :meth:`DataParallelMetric.refuse_step`; int64 counts are exact below 2**53), every
+    maximum and minimum in one more (a minimum as the maximum of its negation). New tensors in the
+    states' dtypes; the states are not changed. No host read off the CPU."""
+    sums = [n for n in states if reductions[n] == "sum"]
+    terms = torch.stack([states[n].detach().to(torch.float64).reshape(()) for n in sums])
+    summed = sum_or_refuse(dp, terms, None, terms.device, len(sums), who)
+    out = {n: summed[i].to(states[n].dtype) for i, n in enumerate(sums)}
+    extremes = [n for n in states if reductions[n] != "sum"]
+    if extremes:
+        signs = [-1.0 if reductions[n] == "min" else 1.0 for n in extremes]
+        packed = torch.stack([sign * states[n].detach().to(torch.float64).reshape(()) for n, sign in zip(extremes, signs)])
+        dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=dp.group)
+        out.update({n: (sign * packed[i]).to(states[n].dtype) for i, (n, sign) in enumerate(zip(extremes, signs))})
     return out
 
 
@@ -87,11 +92,26 @@ class DataParallelMetric(Metric):
         self._state_reductions[name] = dist_reduce_fx
         super().add_state(name, default, dist_reduce_fx=dist_reduce_fx, persistent=persistent)
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def step_group(self) -> Any:
+        """The data parallel group a call reduces the batch's states over now, or None (one process,
+        ``dist_sync_on_step=False``, or ``eval()`` mode)."""
         # in training mode only: a validation loop (eval() mode, Lightning logs it per epoch, synced at compute)
         # may run a different number of batches on each process
         dp = data_parallel_group(*self.data_parallel) if self.sync_on_step and self.training else None
-        self._step_group = dp if dp is not None and dp.size > 1 else None
+        return dp if dp is not None and dp.size > 1 else None
+
+    def refuse_step(self, problem: str, device: Any, who: str) -> None:
+        """In place of a call, on a process that refused its inputs (``problem``): meet the other processes in
+        the all-reduce of their call (:meth:`step_group`), so that every process raises (the same
+        ``ValueError`` where values are read on the host; elsewhere the others stop on a device assertion
+        naming ``who``); the caller then raises its own error. Nothing to do without a step group."""
+        dp = self.step_group()
+        if dp is not None:
+            n_sums = sum(how == "sum" for how in self._state_reductions.values())
+            sum_or_refuse(dp, None, problem, device, n_sums, who)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._step_group = self.step_group()
         try:
             return super().forward(*args, **kwargs)  # torchmetrics: the batch's states, then compute(), then accumulate
         finally:
@@ -100,7 +120,7 @@ class DataParallelMetric(Metric):
     def compute(self) -> Any:
         states = {name: getattr(self, name) for name in self._state_reductions}
         if self._step_group is not None:  # inside a call: the batch's states, reduced over the group
-            states = all_reduce_states(states, self._state_reductions, self._step_group)
+            states = all_reduce_states(states, self._state_reductions, self._step_group, type(self).__name__)
         return self.compute_states(states)
 
     def compute_states(self, states: dict[str, Tensor]) -> Any:

@@ -236,19 +236,23 @@ def reduce_kl(
 
 
 @contextmanager
-def refused_alike(dp: Any, agg: str, x: Any, who: str) -> Iterator[None]:
+def refused_alike(dp: Any, agg: str, x: Any, who: str, metric: Any = None) -> Iterator[None]:
     """Check inputs inside this block: an input refused on one process is refused on every one.
 
-    Under :func:`reduce_kl`'s global batch (``dp`` of more than one process, a mode that divides by a count)
-    the other processes are on their way to the all-reduce of the counts: a ``TypeError`` or ``ValueError``
-    raised in the block meets them there (:func:`~lightning_kl.ground.parallel.sum_or_refuse`, with a flag),
-    so that every process raises (the same error where values are read on the host; elsewhere the others
-    stop on a device assertion naming ``who``) instead of waiting. ``x``: an input, for the collective's
-    device. Otherwise the error is raised as it is.
+    The other processes are on their way to the first collective of the forward: under :func:`reduce_kl`'s
+    global batch (``dp`` of more than one process, a mode that divides by a count) the all-reduce of the
+    counts, else the per-call all-reduce of ``metric`` (a :class:`~lightning_kl.metric.DataParallelMetric`
+    in training mode under DDP, see its ``step_group``). A ``TypeError`` or ``ValueError`` raised in the
+    block meets them there (:func:`~lightning_kl.ground.parallel.sum_or_refuse`, with a flag), so that every
+    process raises (the same error where values are read on the host; elsewhere the others stop on a
+    device assertion naming ``who``) instead of waiting. ``x``: an input, for the collective's device.
+    Without a collective to meet, the error is raised as it is.
     """
     try:
         yield
     except (TypeError, ValueError) as err:
         if dp is not None and dp.size > 1 and COUNT_OF_MODE.get(agg) is not None:
             sum_or_refuse(dp, None, str(err), collective_device(x, dp), 2, who)
+        elif metric is not None and (group := metric.step_group()) is not None:
+            metric.refuse_step(str(err), collective_device(x, group), who)
         raise

@@ -7,7 +7,8 @@ dtype it computes ``EntropyBonus(global_batch=...)``'s gradient of a shared para
 ranks as DDP averages it, and records it with the per-call values of ``bonus.metric``, ``KLMetric`` and
 ``MismatchMetric`` (the batch of every process, or with ``dist_sync_on_step=False`` or in ``eval()`` mode
 this process's).
-It also records the error each rank raised when the last rank alone gives a mask of the wrong shape.
+It also records the error each rank raised when the last rank alone gives a mask of the wrong shape, with
+``global_batch=True`` (met in the counts' all-reduce) and without (met in the metric's).
 ``tests/test_ddp_exact.py`` compares all of it with one process on the concatenated batch.
 """
 
@@ -97,7 +98,14 @@ def _main(rank: int, out: str, world: int) -> None:
         raised = None
     except ValueError as err:
         raised = str(err)
-    write_rank_record(out, {"rank": rank, "world_size": world, "grads": grads, "calls": calls, "raised": raised})
+    # without global_batch (no count to sum) the metric's per-step all-reduce is met by the refusing rank
+    try:
+        lk.EntropyBonus(coef=0.1)(z, m[:, :-1] if rank == world - 1 else m)
+        raised_local = None
+    except ValueError as err:
+        raised_local = str(err)
+    write_rank_record(out, {"rank": rank, "world_size": world, "grads": grads, "calls": calls, "raised": raised,
+                            "raised_local": raised_local})
 
 
 if __name__ == "__main__":

@@ -100,10 +100,11 @@ def test_a_call_of_a_metric_returns_the_global_batch_value(records) -> None:
                 assert got[key] == pytest.approx(float(value), rel=1e-12, abs=1e-15, nan_ok=True), key
 
 
-def test_an_input_refused_on_one_process_is_refused_on_every_one(records) -> None:
-    messages = [rec["raised"] for rec in records]
+@pytest.mark.parametrize("key", ["raised", "raised_local"], ids=["global_batch", "the metric's all-reduce"])
+def test_an_input_refused_on_one_process_is_refused_on_every_one(records, key) -> None:
+    messages = [rec[key] for rec in records]
     assert messages[0] is not None and len(set(messages)) == 1
-    assert f"found on rank {WORLD - 1}" in messages[0]
+    assert f"found on rank {WORLD - 1}" in messages[0] and "mask" in messages[0]
 
 
 def test_dist_sync_on_step_is_checked() -> None:
