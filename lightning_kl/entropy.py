@@ -11,16 +11,15 @@ The coefficient is a number or a controller (:class:`~lightning_kl.TargetEntropy
 
 from __future__ import annotations
 
-import math
 from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor
 
-from lightning_kl.coefficient import ControllerState
+from lightning_kl.coefficient import Coefficient, ControllerState
 from lightning_kl.controllers import KLController
-from lightning_kl.reduce import AggMode, aggregate_checked, check_agg_mode
-from lightning_kl.ground.checks import check_floating, check_mask
+from lightning_kl.reduce import AggMode, check_agg_mode, reduce_kl, refused_alike
+from lightning_kl.ground.checks import check_floating, check_mask, compute_dtype
 from lightning_kl.ground.parallel import check_parallel_args, data_parallel_group
 from lightning_kl.ground.sampler import Sampling
 from lightning_kl.logprobs import FromHidden, token_entropy
@@ -75,9 +74,20 @@ class EntropyBonus(ControllerState):
         agg: one of :data:`lightning_kl.AggMode` (default ``"token-mean"``: the mean entropy per token,
             TRL's bonus; verl aggregates by its ``loss_agg_mode``).
         sampling: the sampler (an :class:`~lightning_kl.Sampling`; default: the plain softmax).
-        process_group: the data parallel ``ProcessGroup`` (for :attr:`metric` and the controller's
-            statistics); default: found by itself.
+        process_group: the data parallel ``ProcessGroup`` (for ``global_batch``, :attr:`metric` and the
+            controller's statistics); default: found by itself.
         device_mesh: the same as a ``DeviceMesh``.
+        global_batch: normalize as one process over the global batch of every data parallel replica,
+            as :class:`~lightning_kl.KLPenaltyLoss`'s ``global_batch`` does (the same reduce step): forward
+            sums the counts of valid tokens and of non-empty sequences over the data parallel group (one
+            ``all_reduce`` of two numbers), divides by those and multiplies by the group's size ``W``, so
+            that the gradient averaging of DDP or FSDP yields exactly the global batch's gradient in every
+            ``agg`` mode, a process holding no valid token included. Every process must then call forward
+            the same number of times; an input refused on one process is refused on every one. Outside
+            distributed training it changes nothing. Without it (the default, as the loss's), each
+            process aggregates its own tokens: under DDP ``token-mean`` is then exact only when every
+            process holds the same number of valid tokens. Set it as the loss's: the terms of one
+            objective should be normalized alike.
 
     Shapes in ``forward(x, mask=None, *, entropy=None)``: ``x`` is ``[b, t, V]`` logits, an
     :class:`~lightning_kl.FromHidden` (hidden ``[b, t, d]`` and the head), an
@@ -87,8 +97,9 @@ class EntropyBonus(ControllerState):
     the gradient.
 
     **Gradient accumulation.** Each micro-batch's bonus is aggregated over that micro-batch (as TRL
-    does), and Lightning averages the micro-batches; the controller sees the step's exact token-mean
-    (the sums of every micro-batch, in training mode only).
+    does; over the micro-batch of every process with ``global_batch``), and Lightning averages the
+    micro-batches; the controller sees the step's exact token-mean (the sums of every micro-batch, in
+    training mode only).
 
     **Control.** As for :class:`~lightning_kl.KLPenaltyLoss`: the controller's coefficient is a
     float64 tensor on the device (no host read); :meth:`update_coef` closes the step (one
@@ -122,11 +133,15 @@ class EntropyBonus(ControllerState):
         sampling: Optional[Sampling] = None,
         process_group: Any = None,
         device_mesh: Any = None,
+        global_batch: bool = False,
     ) -> None:
         super().__init__()
         check_parallel_args(process_group, device_mesh)
         self.process_group, self.device_mesh = process_group, device_mesh
         self.agg = check_agg_mode(agg)
+        if not isinstance(global_batch, bool):
+            raise ValueError(f"`global_batch` must be True or False, got {global_batch!r}.")
+        self.global_batch = global_batch
         if sampling is not None and not isinstance(sampling, Sampling):
             raise ValueError(f"`sampling` must be an lk.Sampling or None, got {type(sampling).__name__}.")
         self.sampling = Sampling() if sampling is None else sampling
@@ -142,6 +157,21 @@ class EntropyBonus(ControllerState):
     ) -> Tensor:
         """The scalar bonus ``-coef * aggregate(H, mask, agg)``, from ``x`` (what
         :func:`~lightning_kl.token_entropy` takes) or from precomputed per-token ``entropy``."""
+        dp = data_parallel_group(self.process_group, self.device_mesh) if self.global_batch else None
+        with refused_alike(dp, self.agg, entropy if entropy is not None else x, "EntropyBonus", self.metric):
+            entropy, mask = self._entropy(x, mask, entropy)
+        # KLPenaltyLoss's reduce step: the aggregate (the global batch's under global_batch), the metric's sums
+        values = entropy.to(compute_dtype(entropy))
+        reduced = reduce_kl(values, mask, self.agg, dp=dp, who="EntropyBonus")
+        self.metric(values.detach(), mask, sums=reduced.metric_sums)
+        stats = None
+        if self.controller is not None and self.training:  # a validation forward adds nothing to the step
+            total, count = reduced.metric_sums  # the controller: the token-mean entropy, n_steps the valid tokens
+            stats = torch.stack([total, count.to(torch.float64), count.to(torch.float64)])
+        return self._coefficient.apply(-reduced.loss, stats, self._attached())
+
+    def _entropy(self, x: Any, mask: Optional[Tensor], entropy: Optional[Tensor]) -> tuple[Tensor, Optional[Tensor]]:
+        # the per-token entropies (from x, or checked) and the checked mask
         if (x is None) == (entropy is None):
             raise ValueError(
                 "EntropyBonus takes `x` (logits, lk.FromHidden, lk.VocabShard) or `entropy=` (per-token "
@@ -154,72 +184,17 @@ class EntropyBonus(ControllerState):
             check_floating("entropy", entropy)
             if entropy.ndim == 0:
                 raise ValueError("`entropy` must hold one value per token ([b, t]), got a 0-d tensor.")
-        mask = check_mask(mask, entropy, "entropy")
-        self.metric(entropy.detach(), mask, checked=True)
-        agg = aggregate_checked(entropy, mask, self.agg)
-        return -self._coef_tensor(entropy, mask, agg) * agg
+        return entropy, check_mask(mask, entropy, "entropy")
 
-    # ------------------------------------------------------------------------------------------
-    # the coefficient (as in KLPenaltyLoss)
-
-    @property
-    def coef(self) -> float:
-        """The coefficient now, a Python float (the controller's: a host read, raising a recorded fault)."""
-        return self._coef if self.controller is None else self.controller.value
-
-    @coef.setter
-    def coef(self, coef: Union[float, KLController]) -> None:
-        if isinstance(coef, KLController):
-            self.controller: Optional[KLController] = coef
-            self._coef = math.nan
-        elif isinstance(coef, bool) or not isinstance(coef, (int, float)) or not math.isfinite(coef) or coef < 0:
-            raise ValueError(
-                f"`coef` must be a finite number >= 0 or a controller (TargetEntropyController, KLSchedule), got {coef!r}."
-            )
-        else:
-            self.controller, self._coef = None, float(coef)
-        self._step_stats: Optional[Tensor] = None
-
-    def _coef_tensor(self, entropy: Tensor, mask: Optional[Tensor], agg: Tensor) -> Union[float, Tensor]:
-        if self.controller is None:
-            return self._coef
-        if self.training:  # a validation forward adds nothing to the step
-            v = entropy.detach().to(torch.float64)
-            m = torch.ones_like(v, dtype=torch.bool) if mask is None else mask
-            zero = torch.zeros((), dtype=v.dtype, device=v.device)
-            stats = torch.stack([torch.where(m, v, zero).sum(), m.sum().to(torch.float64)])
-            self._step_stats = stats if self._step_stats is None else self._step_stats + stats
-        return self.controller.value_tensor(agg.device).to(agg.dtype)
-
-    def update_coef(self, strategy: Any = None, device: Any = None) -> Optional[tuple[Tensor, Tensor]]:
-        """Close an optimizer step: update the controller from the step's global token-mean entropy.
-
-        Sums the entropy and the valid tokens of every training forward since the last call over the
-        data parallel group (every process must call it alike: one ``all_reduce``), gives the
-        controller ``(entropy, n_tokens)`` and starts the next step's sums; no host read. Returns
-        None for a number ``coef``, else ``(coef, entropy)``: the coefficient the step used and the
-        step's global entropy (NaN with no valid token), float64 0-d tensors.
-        """
-        if self.controller is None:
-            return None
-        stats, self._step_stats = self._step_stats, None
-        if stats is None:
-            where = device if device is not None else self.controller.value_tensor().device
-            stats = torch.zeros(2, dtype=torch.float64, device=where)
-        coef = self.controller.value_tensor(stats.device)
-        dp = data_parallel_group(self.process_group, self.device_mesh, strategy=strategy)
-        if dp.size > 1:
-            stats = dp.all_reduce_sum(stats.clone())
-        entropy, n = stats[0] / stats[1], stats[1]
-        self.controller.update(entropy, n)
-        return coef, torch.where(n >= 1, entropy, float("nan"))
-
-    def reset_step(self) -> None:
-        """Drop the sums of an optimizer step left open (a fit stopped inside an accumulation window): done by
-        :class:`~lightning_kl.KLLossCallback` when a fit starts and ends, as for ``KLPenaltyLoss``."""
-        self._step_stats = None
+    def _make_coefficient(self, coef: Union[float, KLController]) -> Coefficient:
+        return Coefficient(
+            coef, "EntropyBonus", "the policy's token-mean entropy per optimizer step",
+            "a controller (TargetEntropyController, KLSchedule)",
+        )
 
     def extra_repr(self) -> str:
-        coef = self._coef if self.controller is None else self.controller
+        coef = self._coefficient.number if self.controller is None else self.controller
         extra = "" if self.sampling == Sampling() else f", sampling={self.sampling!r}"
+        if self.global_batch:
+            extra += ", global_batch=True"
         return f"coef={coef!r}, agg={self.agg!r}{extra}"

@@ -5,35 +5,35 @@ from __future__ import annotations
 from contextlib import nullcontext
 
 import math
-import weakref
 from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor
 
-from lightning_kl.coefficient import Coefficient, ControllerState
+from lightning_kl.coefficient import ControllerState, live_controlled
 from lightning_kl.compute import check_max_weight, kl_penalty_values
 from lightning_kl.controllers import KLController
 from lightning_kl.estimators import EstimatorName, parse_estimator
 from lightning_kl.ground.checks import warn_user
-from lightning_kl.ground.parallel import check_parallel_args, collective_device, data_parallel_group, held_warnings, sum_or_refuse
+from lightning_kl.ground.parallel import check_parallel_args, data_parallel_group, held_warnings
 from lightning_kl.ground.sampler import Sampling
 from lightning_kl.inputs import check_kl_inputs, resolve_sampling
 from lightning_kl.kernels.divergence import Divergence, check_divergence, kl_weights
 from lightning_kl.logprobs import FromHidden
 from lightning_kl.metric import KLMetric
-from lightning_kl.reduce import COUNT_OF_MODE, GLOBAL_TERMS, AggMode, check_agg_mode, controlled_kl_statistics, reduce_kl
+from lightning_kl.reduce import COUNT_OF_MODE, AggMode, check_agg_mode, controlled_kl_statistics, reduce_kl, refused_alike
 from lightning_kl.sequence import Level, check_kl_to_go, check_level, check_sequence_agg
 
 __all__ = ["KLPenaltyLoss", "controlled_kl_statistics", "live_losses"]
 
-# every KLPenaltyLoss alive in the process, for KLLossCallback (which acts only when there is one)
-_LIVE: "weakref.WeakSet[KLPenaltyLoss]" = weakref.WeakSet()
 
+def _distributed() -> bool:
+    # whether other processes may be waiting in a collective of this forward (no process group: none are)
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 def live_losses() -> list["KLPenaltyLoss"]:
     """The :class:`KLPenaltyLoss` objects alive in this process."""
-    return list(_LIVE)
+    return [m for m in live_controlled() if isinstance(m, KLPenaltyLoss)]
 
 
 class KLPenaltyLoss(ControllerState):
@@ -266,8 +266,6 @@ class KLPenaltyLoss(ControllerState):
         self._warned_micro_counts = False
         self._warned_unknown_k = False
         self._warned_lengths = agg is None  # the default agg at level="sequence" warned above already
-        self._trainer_ref: Optional[weakref.ReferenceType] = None
-        _LIVE.add(self)
 
     @property
     def estimator(self) -> str:
@@ -323,17 +321,12 @@ class KLPenaltyLoss(ControllerState):
         # a warning before the global batch's all-reduce is held and issued after it, alike on every process
         # (raised as an error on one process only, it would leave the others waiting there)
         with held_warnings(True) if collective else nullcontext() as held:  # (one process: no ground floor on the way)
-            try:
+            # an input refused here meets the other processes in the counts' or the metric's all-reduce
+            with refused_alike(dp, self.agg, logprob, "KLPenaltyLoss", self.metric) if _distributed() else nullcontext():
                 inputs = check_kl_inputs(
                     logprob, ref_logprob, self.spec, mask, old_logprob, sampled_logprob, self.level, self.sampling,
                     num_tokens, num_seqs, accumulate_grad_batches,
                 )
-            except (TypeError, ValueError) as err:
-                if not collective:
-                    raise
-                # the other processes are on their way to the all-reduce of the global batch's counts: meet them there
-                sum_or_refuse(dp, None, str(err), collective_device(logprob, dp), GLOBAL_TERMS, "KLPenaltyLoss")
-                raise  # the device form: the others stop on a device assertion
             kl = kl_penalty_values(
                 inputs, self.spec, self.max_weight, self.level, self.kl_to_go, self.sampling, (self.divergence, self.beta)
             )
@@ -344,81 +337,7 @@ class KLPenaltyLoss(ControllerState):
         controlled = self.controller is not None and self.training  # an eval() forward is no part of a step
         reduced = reduce_kl(kl, inputs.mask, self.agg, self.agg_norm, *given, k, dp, self.agg if controlled else None, held=held)
         self.metric(kl.detach(), inputs.mask, sums=reduced.metric_sums)
-        return self._coefficient.apply(reduced.loss, reduced.controller_stats, self._trainer_ref is not None)
-
-    # ------------------------------------------------------------------------------------------
-    # the coefficient
-
-    @property
-    def coef(self) -> float:
-        """The coefficient now, as a Python float: the number given, or the controller's current value
-        (which reads the device, and raises a fault the controller recorded there).
-
-        Setting it takes what ``coef`` takes in the constructor: a number or a controller.
-        """
-        c = self._coefficient
-        return c.number if c.controller is None else c.controller.value
-
-    @coef.setter
-    def coef(self, coef: Union[float, KLController]) -> None:
-        self._coefficient = Coefficient(coef)
-
-    @property
-    def controller(self) -> Optional[KLController]:
-        """The :class:`~lightning_kl.KLController` that moves the coefficient, or None for a number ``coef``."""
-        return self._coefficient.controller
-
-    def update_coef(self, strategy: Any = None, device: Any = None) -> Optional[tuple[Tensor, Tensor]]:
-        """Close an optimizer step: update the controller from the step's global KL; return what was used.
-
-        Sums the KL statistics of every forward since the last call over the data parallel group
-        (every process must call this the same number of times: it runs one ``all_reduce`` when the
-        group has more than one process), gives the controller the global KL and the number of
-        non-empty sequences (``n_steps``), and starts the next step's sums. No host read. A step
-        with no valid token anywhere leaves the coefficient unchanged. Done by
-        :class:`~lightning_kl.KLLossCallback` in a Trainer; by hand elsewhere, after
-        ``backward`` (the coefficient the step's gradient used is replaced, never changed in place). A
-        controlled loss that runs many training forwards with no step closed (:data:`lightning_kl.coefficient.
-        UNSTEPPED_FORWARDS`) and no Trainer warns once, naming this call.
-
-        Args:
-            strategy: the Lightning strategy, when there is one (it names the data parallel group).
-            device: where to make the step's sums if this process ran no forward in the step
-                (default: where the coefficient is).
-
-        Returns:
-            None for a number ``coef``; else ``(coef, kl)``: the coefficient this step used and the
-            step's global KL (NaN for a step with no valid token), float64 0-d tensors on the device.
-        """
-        if self.controller is None:
-            return None
-        dp = data_parallel_group(self.process_group, self.device_mesh, strategy=strategy)
-        return self._coefficient.close_step(dp, device)
-
-    def reset_step(self) -> None:
-        """Drop the KL sums of an optimizer step left open (a fit stopped inside an accumulation window):
-        done by :class:`~lightning_kl.KLLossCallback` when a fit starts and ends."""
-        self._coefficient.reset()
-
-    def attach(self, trainer: Any) -> None:
-        """Connect this loss to the Trainer that fits its LightningModule (None: disconnect).
-
-        Done by :class:`~lightning_kl.KLLossCallback` at ``setup``, which every Trainer gets
-        by itself once lightning-kl is installed. The loss then reads the Trainer's
-        ``accumulate_grad_batches`` while it trains. Kept by a weak reference; not copied by ``deepcopy``
-        or pickling (a copy is attached by the Trainer that fits it).
-        """
-        self._trainer_ref = None if trainer is None else weakref.ref(trainer)
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(super().__getstate__())
-        state["_trainer_ref"] = None
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        # a copy or an unpickled loss (a spawned process's) is alive too: KLLossCallback must find it
-        super().__setstate__(state)
-        _LIVE.add(self)
+        return self._coefficient.apply(reduced.loss, reduced.controller_stats, self._attached())
 
     def _trainer_accumulation(self) -> Optional[int]:
         # the Trainer's accumulate_grad_batches while it trains the LightningModule holding this loss;

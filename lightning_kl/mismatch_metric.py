@@ -26,7 +26,8 @@ class MismatchMetric(DataParallelMetric):
     The group is found as :class:`~lightning_kl.KLMetric` finds it (``process_group`` or
     ``device_mesh`` when given).
 
-    ``compute()`` and a call return a dict of 0-d float64 tensors (NaN where no data); log it with
+    ``compute()`` and a call return a dict of 0-d float64 tensors (NaN where no data; a call's, that of
+    the batch of every data parallel process, as :class:`~lightning_kl.KLMetric`'s); log it with
     ``self.log_dict``, then ``reset()``: the state is every batch since the last reset, so an epoch's
     value without one includes every earlier epoch. Nothing is read on the host by ``update``::
 
@@ -74,5 +75,5 @@ class MismatchMetric(DataParallelMetric):
             else:
                 setattr(self, name, torch.minimum(state, value))
 
-    def compute(self) -> dict[str, Tensor]:
-        return mismatch_compute({name: getattr(self, name) for name in TOTALS_REDUCTIONS})
+    def compute_states(self, states: dict[str, Tensor]) -> dict[str, Tensor]:
+        return mismatch_compute(states)

@@ -4,9 +4,11 @@ r"""The reduce step: per-token values to the loss's scalar, and the sums every s
   the valid positions, in a given dtype, and the counts of valid tokens and sequences), used by the
   aggregation, the metric, the reward callback, the controller's KL and the step's totals.
 * :func:`aggregate_checked`: :func:`~lightning_kl.aggregate`'s maths (verl's modes), of checked arguments.
-* :func:`reduce_kl`: the loss's reduction: the aggregate (with the global batch's counts, one ``all_reduce``,
+* :func:`reduce_kl`: the reduction of :class:`~lightning_kl.KLPenaltyLoss` and
+  :class:`~lightning_kl.EntropyBonus`: the aggregate (with the global batch's counts, one ``all_reduce``,
   and the factors of gradient accumulation and data parallel averaging), with the metric's and the
-  controller's sums of the same values.
+  controller's sums of the same values; :func:`refused_alike`, the refusal of one process's inputs
+  on every process of the global batch.
 
 Masking is done with :func:`torch.where`, never by multiplying: a NaN or inf at a padded position
 would otherwise survive as ``nan = inf * 0`` in the result or in the gradient.
@@ -15,6 +17,8 @@ would otherwise survive as ``nan = inf * 0`` in the result or in the gradient.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Literal, NamedTuple, Optional, Union
 
 import torch
@@ -22,7 +26,7 @@ from torch import Tensor
 
 from lightning_kl.ground.checks import compute_dtype
 from lightning_kl.ground.checks import host_reads
-from lightning_kl.ground.parallel import release_warnings, sum_or_refuse
+from lightning_kl.ground.parallel import collective_device, release_warnings, sum_or_refuse
 
 __all__ = [
     "AGG_MODES",
@@ -38,6 +42,7 @@ __all__ = [
     "masked_row_sums",
     "masked_sums",
     "reduce_kl",
+    "refused_alike",
 ]
 
 #: The aggregation modes accepted by :func:`aggregate` (verl's names and semantics).
@@ -211,6 +216,7 @@ def reduce_kl(
     dp: Any = None,
     controller_agg: Optional[str] = None,
     held: Optional[list[Any]] = None,
+    who: str = "KLPenaltyLoss",
 ) -> Reduced:
     """The loss's reduce step: :func:`aggregate_checked` of ``kl`` with the step's totals and the global batch.
 
@@ -227,7 +233,7 @@ def reduce_kl(
     raises the same ``ValueError`` (a process without it would divide by its micro-batch count among the
     others' step totals, and every process's loss would be wrong). ``held``: the warnings the caller held
     before this collective (:func:`~lightning_kl.ground.parallel.held_warnings`), issued after it, alike on
-    every process.
+    every process. ``who``: the module named when another process refused its inputs (:func:`refused_alike`).
     """
     given = (num_tokens, num_seqs)
     counts: dict[str, Any] = {}
@@ -246,7 +252,7 @@ def reduce_kl(
                 local[needed] = torch.as_tensor(given[needed], dtype=torch.float64, device=local.device).reshape(())
             local[2] = float(given[needed] is not None)
             local[3] = float(bool(held))
-            local = sum_or_refuse(dp, local, None, local.device, GLOBAL_TERMS, "KLPenaltyLoss")  # see KLPenaltyLoss.forward
+            local = sum_or_refuse(dp, local, None, local.device, GLOBAL_TERMS, who)  # see refused_alike
             _same_totals_everywhere(local[2], dp.size, ("num_tokens", "num_seqs")[needed], agg)
             release_warnings(held, local[3], dp)
             counts["num_tokens"], counts["num_seqs"] = local[0], local[1]
@@ -262,3 +268,26 @@ def reduce_kl(
         count = torch.tensor(count, dtype=torch.int64, device=detached.device)
     stats = None if controller_agg is None else controlled_kl_statistics(detached, mask, controller_agg)
     return Reduced(loss, (total, count), stats)
+
+
+@contextmanager
+def refused_alike(dp: Any, agg: str, x: Any, who: str, metric: Any = None) -> Iterator[None]:
+    """Check inputs inside this block: an input refused on one process is refused on every one.
+
+    The other processes are on their way to the first collective of the forward: under :func:`reduce_kl`'s
+    global batch (``dp`` of more than one process, a mode that divides by a count) the all-reduce of the
+    counts, else the per-call all-reduce of ``metric`` (a :class:`~lightning_kl.metric.DataParallelMetric`
+    in training mode under DDP, see its ``step_group``). A ``TypeError`` or ``ValueError`` raised in the
+    block meets them there (:func:`~lightning_kl.ground.parallel.sum_or_refuse`, with a flag), so that every
+    process raises (the same error where values are read on the host; elsewhere the others stop on a
+    device assertion naming ``who``) instead of waiting. ``x``: an input, for the collective's device.
+    Without a collective to meet, the error is raised as it is.
+    """
+    try:
+        yield
+    except (TypeError, ValueError) as err:
+        if dp is not None and dp.size > 1 and COUNT_OF_MODE.get(agg) is not None:
+            sum_or_refuse(dp, None, str(err), collective_device(x, dp), GLOBAL_TERMS, who)
+        elif metric is not None and (group := metric.step_group()) is not None:
+            metric.refuse_step(str(err), collective_device(x, group), who)
+        raise

@@ -83,7 +83,7 @@ def cases(rank: int) -> dict[str, Callable[[], Any]]:
         "kl_logprob_above_0_on_rank1": lambda: kl(lp + 3.0 * rank, ro, mask).item(),
         "kl_mask_half_on_rank0": lambda: kl(lp, ro, half).item(),
         "kl_good_after": lambda: kl(lp, ro, mask).item(),
-        "kl_sum_mode_refused_on_rank1": lambda: kl_sum(lp + 3.0 * rank, ro, mask).item(),  # no collective: its own error
+        "kl_sum_mode_refused_on_rank1": lambda: kl_sum(lp + 3.0 * rank, ro, mask).item(),  # met in the metric's all-reduce
         "kl_good_at_last": lambda: kl(lp, ro, mask).item(),
         # KLRewardCallback: the rollout's statistics are summed over the processes (one all-reduce)
         "reward_good": lambda: reward(lp, ro, mask),

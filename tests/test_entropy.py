@@ -587,7 +587,7 @@ def test_an_eval_forward_adds_nothing_to_the_step_and_the_bonus_pickles():
     logits, mask = _batch(4)
     bonus.eval()
     bonus(logits, mask)
-    assert bonus._step_stats is None
+    assert bonus._coefficient.pending is None
     bonus.train()
     bonus(logits, mask)
     coef, h = bonus.update_coef()

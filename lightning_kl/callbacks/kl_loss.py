@@ -6,7 +6,8 @@ each optimizer step. This callback finds every ``KLPenaltyLoss`` in ``pl_module.
 ``setup``, and again at the start of each fit, validation, test or prediction (after ``configure_model``,
 so that a loss built there is found too), and hands it the Trainer
 (:meth:`~lightning_kl.KLPenaltyLoss.attach`): it works whatever the ``training_step``'s argument names,
-wrappers or ``torch.compile``. With no ``KLPenaltyLoss`` alive in the process it does nothing.
+wrappers or ``torch.compile``. Every :class:`~lightning_kl.EntropyBonus` is attached too (an attached
+module does not warn about steps left unclosed). With no loss or bonus alive in the process it does nothing.
 
 Installing lightning-kl registers a factory of this callback under Lightning's
 ``lightning.pytorch.callbacks_factory`` entry point (the top-level module ``_lightning_kl_entry``, which
@@ -32,7 +33,9 @@ controller is closed the same way (logged under ``entropy/`` in place of ``kl/``
 in the module (``kl/coef/kl_loss``). A non-finite global KL leaves the coefficient unchanged and is
 raised as a ``ValueError`` every ``log_every_n_steps`` batches and at the end of each epoch (where
 the host reads the coefficient), as :class:`~lightning_kl.KLRewardCallback` does. At ``on_train_start`` it refuses one controller object shared by
-two users (two losses, or a loss and a ``KLRewardCallback``): each would update it with its own KL.
+two users (two losses, a loss and a bonus, or a loss and a ``KLRewardCallback``): each would update it with its
+own measure (a loss's KL, a bonus's entropy, the reward's KL per batch), named in the error. Outside a Trainer
+the loss or bonus that closes a step refuses a controller the other one moves in the same step.
 """
 
 from __future__ import annotations
@@ -44,20 +47,19 @@ from typing_extensions import override
 
 from lightning_kl.callbacks.faults import ControllerFaultCallback
 from lightning_kl.callbacks.kl_reward import KLRewardCallback
-from lightning_kl.controllers import KLController
-from lightning_kl.entropy import EntropyBonus
-from lightning_kl.loss import KLPenaltyLoss, live_losses
+from lightning_kl.coefficient import ControllerState, controller_chain, live_controlled, shared_controller_message
 
 __all__ = ["KLLossCallback", "attach_losses", "callbacks_factory"]
 
 
-def attach_losses(trainer: Optional["pl.Trainer"], pl_module: "pl.LightningModule") -> list[KLPenaltyLoss]:
-    """Hand ``trainer`` (None: detach) to every :class:`KLPenaltyLoss` in ``pl_module``; returns them.
+def attach_losses(trainer: Optional["pl.Trainer"], pl_module: "pl.LightningModule") -> list[ControllerState]:
+    """Hand ``trainer`` (None: detach) to every :class:`~lightning_kl.KLPenaltyLoss` and
+    :class:`~lightning_kl.EntropyBonus` in ``pl_module``; returns them.
 
-    No walk over the module when no loss is alive in the process."""
-    if not live_losses():
+    No walk over the module when none is alive in the process."""
+    if not live_controlled():
         return []
-    losses = [m for m in pl_module.modules() if isinstance(m, KLPenaltyLoss)]
+    losses = [m for m in pl_module.modules() if isinstance(m, ControllerState)]
     for loss in losses:
         loss.attach(trainer)
     return losses
@@ -124,22 +126,18 @@ class KLLossCallback(ControllerFaultCallback):
             return
         # found once per fit (a walk over every module of a large model is not free at every step)
         # an EntropyBonus closes its steps the same way (its coefficient, logged under entropy/)
-        self._losses = [(name, m) for name, m in pl_module.named_modules() if isinstance(m, (KLPenaltyLoss, EntropyBonus))]
-        users: dict[int, list[str]] = {}
+        self._losses = [(name, m) for name, m in pl_module.named_modules() if isinstance(m, ControllerState)]
+        users: dict[int, list[tuple[str, str]]] = {}
         for name, loss in self._controlled():
-            for ctl in _chain(loss.controller):
-                users.setdefault(id(ctl), []).append(f"{type(loss).__name__} {name!r}")
+            for ctl in controller_chain(loss.controller):
+                users.setdefault(id(ctl), []).append((f"{type(loss).__name__} {name!r}", loss._coefficient.measure))
         for cb in trainer.callbacks:
             if isinstance(cb, KLRewardCallback):
-                for ctl in _chain(cb.controller):
-                    users.setdefault(id(ctl), []).append(f"KLRewardCallback {cb.state_key!r}")
-        shared = [names for names in users.values() if len(names) > 1]
+                for ctl in controller_chain(cb.controller):
+                    users.setdefault(id(ctl), []).append((f"KLRewardCallback {cb.state_key!r}", "its KL per batch"))
+        shared = [found for found in users.values() if len(found) > 1]
         if shared:
-            raise ValueError(
-                f"one KL controller object is used by {' and '.join(shared[0])}: each would update it once per step "
-                "with its own KL (the loss's per optimizer step, in the loss's units; the reward's per batch), so "
-                "its coefficient would follow neither. Give each its own controller."
-            )
+            raise ValueError(shared_controller_message(shared[0]))
 
     @override
     def on_before_optimizer_step(
@@ -175,14 +173,6 @@ class KLLossCallback(ControllerFaultCallback):
             self._reset_steps(trainer)
             attach_losses(None, pl_module)
         self._losses = []
-
-
-def _chain(controller: KLController) -> list[KLController]:
-    """A controller and the ones it wraps (a KLSchedule's)."""
-    out = [controller]
-    while isinstance(getattr(out[-1], "controller", None), KLController):
-        out.append(out[-1].controller)
-    return out
 
 
 def callbacks_factory() -> list[Any]:
