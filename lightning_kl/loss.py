@@ -334,7 +334,7 @@ class KLPenaltyLoss(ControllerState):
             given = (inputs.num_tokens, inputs.num_seqs)
             self._warn_if_micro_batch_counts(k, given)
             self._warn_if_lengths_vary(inputs.mask, inputs.num_tokens)
-        controlled = self.controller is not None and self.training  # an eval() forward is no part of a step
+        controlled = self._coefficient.controller is not None and self.training  # an eval() forward is no part of a step
         reduced = reduce_kl(kl, inputs.mask, self.agg, self.agg_norm, *given, k, dp, self.agg if controlled else None, held=held)
         self.metric(kl.detach(), inputs.mask, sums=reduced.metric_sums)
         return self._coefficient.apply(reduced.loss, reduced.controller_stats, self._attached())

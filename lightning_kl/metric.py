@@ -97,8 +97,10 @@ class DataParallelMetric(Metric):
         ``dist_sync_on_step=False``, or ``eval()`` mode)."""
         # in training mode only: a validation loop (eval() mode, Lightning logs it per epoch, synced at compute)
         # may run a different number of batches on each process
-        dp = data_parallel_group(*self.data_parallel) if self.sync_on_step and self.training else None
-        return dp if dp is not None and dp.size > 1 else None
+        if not (self.sync_on_step and self.training) or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return None  # (no process group: one process, nothing to ask the ground floor)
+        dp = data_parallel_group(*self.data_parallel)
+        return dp if dp.size > 1 else None
 
     def refuse_step(self, problem: str, device: Any, who: str) -> None:
         """In place of a call, on a process that refused its inputs (``problem``): meet the other processes in
