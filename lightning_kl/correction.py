@@ -109,10 +109,11 @@ def _normalized(weights: Tensor, mask: Tensor, terms: Tensor) -> tuple[Tensor, T
 
     A mean that is NaN (a weight the mask keeps is NaN, on some process: ``terms`` are summed over the
     group, so every process sees it) makes the factor and every valid weight NaN on every process, where
-    verl's rule (divide only when the mean exceeds 1e-8) would silently divide by 1 everywhere.
+    verl's rule (divide only when the mean exceeds 1e-8) would silently divide by 1 everywhere. A batch with
+    no valid token anywhere (a count of 0: no mean, nothing lost) keeps verl's factor 1.
     """
     normalized, factor = normalize_weights(weights, terms)
-    lost = (terms[0] / terms[1]).isnan()
+    lost = terms[0].isnan()  # the weights' sum: NaN only from a kept NaN weight (0 / 0 is no data)
     nan = torch.full((), math.nan, dtype=factor.dtype, device=factor.device)
     factor = torch.where(lost, nan, factor)
     normalized = torch.where(lost & mask, nan.to(weights.dtype), normalized)
