@@ -23,7 +23,8 @@ from lightning_kl.ground.vocab_shards import VocabShard
 from lightning_kl.functional import AggMode, aggregate, kl_penalty
 from lightning_kl.ground.checks import warn_user
 from lightning_kl.high_entropy import high_entropy_mask
-from lightning_kl.logprobs import FromHidden, full_kl, token_entropy, token_logprobs, token_logprobs_and_entropy
+from lightning_kl.divergences import full_kl
+from lightning_kl.logprobs import FromHidden, token_entropy, token_logprobs, token_logprobs_and_entropy
 from lightning_kl.distill.topk import TopK
 from lightning_kl.loss import KLPenaltyLoss
 from lightning_kl.metric import KLMetric
@@ -86,8 +87,8 @@ _DEPRECATED: dict[str, tuple[str, str, Optional[str]]] = {
     "OUTSIDE_MODES": ("lightning_kl.logprobs", "OUTSIDE_MODES", "the strings 'raise' and '-inf' (lightning_kl.logprobs.OUTSIDE_MODES)"),
     "REFERENCES": ("lightning_kl.logprobs", "REFERENCES", "the strings 'unprocessed', 'processed', 'policy_kept' (lightning_kl.logprobs.REFERENCES)"),
     # functions and a type that warn themselves when called (naming the new call): no second warning here
-    "token_logprobs_from_hidden": ("lightning_kl.logprobs", "token_logprobs_from_hidden", None),
-    "full_kl_from_hidden": ("lightning_kl.logprobs", "full_kl_from_hidden", None),
+    "token_logprobs_from_hidden": ("lightning_kl.deprecated", "token_logprobs_from_hidden", None),
+    "full_kl_from_hidden": ("lightning_kl.deprecated", "full_kl_from_hidden", None),
     "processed_logprobs": ("lightning_kl.deprecated", "processed_logprobs", None),
     "processed_logprobs_from_hidden": ("lightning_kl.deprecated", "processed_logprobs_from_hidden", None),
     "processed_full_kl": ("lightning_kl.deprecated", "processed_full_kl", None),

@@ -20,9 +20,13 @@ from torch import Tensor
 
 from lightning_kl.ground.checks import warn_user
 from lightning_kl.ground.sampler import Sampling
-from lightning_kl.logprobs import OUTSIDE_MODES, REFERENCES, FromHidden, full_kl, token_logprobs
+from lightning_kl.ground.vocab_shards import VocabShard
+from lightning_kl.divergences import full_kl
+from lightning_kl.inputs import check_chunk_size
+from lightning_kl.logprobs import OUTSIDE_MODES, REFERENCES, FromHidden, token_logprobs
 
-__all__ = ["OUTSIDE_MODES", "REFERENCES", "SampledLogprobs", "processed_full_kl", "processed_logprobs", "processed_logprobs_from_hidden"]
+__all__ = ["OUTSIDE_MODES", "REFERENCES", "SampledLogprobs", "full_kl_from_hidden", "processed_full_kl", "processed_logprobs"]
+__all__ += ["processed_logprobs_from_hidden", "token_logprobs_from_hidden"]
 
 
 class SampledLogprobs(NamedTuple):
@@ -116,3 +120,45 @@ def processed_full_kl(
     _warn("processed_full_kl", "lk.full_kl(logits, ref_logits, mask, sampling=lk.Sampling(...), reference=...)")
     return full_kl(logits, ref_logits, mask, sampling=Sampling(temperature, top_k, top_p, min_p), reference=reference, chunk_size=chunk_size)
 
+
+def token_logprobs_from_hidden(
+    hidden: Tensor,
+    weight: Tensor | VocabShard,
+    tokens: Tensor,
+    bias: Optional[Tensor] = None,
+    temperature: float = 1.0,
+    ignore_index: Optional[int] = None,
+    *,
+    chunk_size: Optional[int] = None,
+    vocab_chunk_size: Optional[int] = None,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    min_p: Optional[float] = None,
+) -> Tensor:
+    """Deprecated: ``lk.token_logprobs(lk.FromHidden(hidden, weight, bias), tokens, sampling=lk.Sampling(...))``.
+
+    ``vocab_chunk_size`` is checked and no longer used (the engine's chunks are rows over the whole vocabulary).
+    """
+    _warn("token_logprobs_from_hidden", "lk.token_logprobs(lk.FromHidden(hidden, weight, bias), tokens, sampling=lk.Sampling(...))")
+    check_chunk_size(vocab_chunk_size, "vocab_chunk_size")
+    sampling = Sampling(temperature, top_k, top_p, min_p)
+    return token_logprobs(FromHidden(hidden, weight, bias), tokens, sampling=sampling, ignore_index=ignore_index, chunk_size=chunk_size)
+
+
+def full_kl_from_hidden(
+    hidden: Tensor,
+    weight: Tensor | VocabShard,
+    ref_hidden: Tensor,
+    ref_weight: Tensor | VocabShard,
+    mask: Optional[Tensor] = None,
+    *,
+    bias: Optional[Tensor] = None,
+    ref_bias: Optional[Tensor] = None,
+    temperature: float = 1.0,
+    chunk_size: Optional[int] = None,
+) -> Tensor:
+    """Deprecated: ``lk.full_kl(lk.FromHidden(hidden, weight, bias), lk.FromHidden(ref_hidden, ref_weight, ref_bias), mask)``."""
+    _warn("full_kl_from_hidden", "lk.full_kl(lk.FromHidden(hidden, weight, bias), lk.FromHidden(ref_hidden, ref_weight, ref_bias), mask)")
+    return full_kl(
+        FromHidden(hidden, weight, bias), FromHidden(ref_hidden, ref_weight, ref_bias), mask, sampling=Sampling(temperature), chunk_size=chunk_size
+    )

@@ -1,5 +1,5 @@
-r"""Functions over the whole vocabulary: token log-probs, the exact KL, the token entropy (and the
-log-probs with the entropy, in one pass).
+r"""Functions over the whole vocabulary: token log-probs, the token entropy (and the log-probs with the entropy,
+in one pass); the exact divergence to another model is :mod:`lightning_kl.divergences`, on the same inputs.
 
 Shapes: ``...`` any leading dims (``[b, t]`` for a batch of sequences), ``V`` the vocabulary, ``d``
 the hidden size. Each function takes its model's output as ``x``, in any of four forms:
@@ -35,17 +35,16 @@ from lightning_kl.ground.checks import (
     check_matching,
     check_values,
 )
-from lightning_kl.inputs import check_chunk_size, check_full_hidden_inputs, check_full_inputs, check_head, check_logit_transform, check_tokens
+from lightning_kl.inputs import check_chunk_size, check_head, check_logit_transform, check_tokens
 from lightning_kl.ground.kept import KeptSets, as_kept_sets, check_nonempty, report_missing
 from lightning_kl.ground.sampler import Sampling, process_scores
 from lightning_kl.ground.vocab_shards import VocabShard, is_vocab_parallel
-from lightning_kl.kernels.divergence import Divergence, check_divergence
-from lightning_kl.kernels.engine import REFERENCES, Head, Partition, Tensors, entropy_kernel, full_kl_kernel, token_logprobs_kernel
+from lightning_kl.kernels.engine import REFERENCES, Head, Partition, Tensors, entropy_kernel, token_logprobs_kernel
 from lightning_kl.kernels.engine import token_logprobs_entropy_kernel
-from lightning_kl.kernels.full import head_source, logits_source, same_partition
+from lightning_kl.kernels.full import head_source, logits_source
 
-__all__ = ["OUTSIDE_MODES", "REFERENCES", "FromHidden", "full_kl", "full_kl_from_hidden", "token_entropy", "token_logprobs"]
-__all__ += ["token_logprobs_and_entropy", "token_logprobs_from_hidden"]
+__all__ = ["OUTSIDE_MODES", "REFERENCES", "FromHidden", "sampler_of", "source_of", "token_entropy", "token_logprobs"]
+__all__ += ["token_logprobs_and_entropy"]
 
 #: What to do with a sampled token outside the sampler's kept set: ``"raise"`` (the default: on-policy
 #: the sampler and the scorer disagree), ``"-inf"`` (its processed log-prob: importance weight 0), or
@@ -125,7 +124,7 @@ def _head(x: FromHidden) -> Head:
 _LEGACY = ("temperature", "top_k", "top_p", "min_p")
 
 
-def _sampling(sampling: Any, legacy: dict[str, Any], call: str, warn: bool = True) -> Sampling:
+def sampler_of(sampling: Any, legacy: dict[str, Any], call: str, warn: bool = True) -> Sampling:
     """The validated sampler from ``sampling=``, or (deprecated, with a warning) from the old keywords."""
     unknown = sorted(set(legacy) - set(_LEGACY))
     if unknown:
@@ -148,7 +147,7 @@ def _sampling(sampling: Any, legacy: dict[str, Any], call: str, warn: bool = Tru
     return sampling
 
 
-def _source(x: Any, name: str, sampling: Sampling) -> tuple[Tensors, Partition, Tensor]:
+def source_of(x: Any, name: str, sampling: Sampling) -> tuple[Tensors, Partition, Tensor]:
     """One model's output as the engine's source and partition, checked; and a tensor with its leading dims."""
     hidden = isinstance(x, FromHidden)
     if sampling.truncates and (isinstance(x.weight, VocabShard) if hidden else is_vocab_parallel(x)):
@@ -334,7 +333,7 @@ def token_logprobs(
         legacy = {"temperature": legacy_args[0], **legacy}
         if len(legacy_args) == 2:
             ignore_index = legacy_args[1]
-    proc = _sampling(sampling, legacy, "token_logprobs", warn=not legacy_args)
+    proc = sampler_of(sampling, legacy, "token_logprobs", warn=not legacy_args)
     return _token_logprobs(x, tokens, proc, ignore_index, outside, kept_from, return_log_kept, chunk_size, kept, return_kept)
 
 
@@ -344,7 +343,7 @@ def _token_logprobs(
 ) -> Any:
     if kept is not None:  # the record replaces the sampler's truncation: its temperature only
         proc = Sampling(proc.temperature)
-    src, part, lead = _source(x, "x" if isinstance(x, FromHidden) else "logits", proc)
+    src, part, lead = source_of(x, "x" if isinstance(x, FromHidden) else "logits", proc)
     outside = _check_outside(outside)
     check_chunk_size(chunk_size)
     vocab = None if part.split else (src.x.shape[-1] if src.weight is None else src.weight.shape[0])
@@ -414,10 +413,10 @@ def token_entropy(
         >>> token_entropy(torch.tensor([[3.0, 2.0, 0.0, 0.0]]), sampling=Sampling(top_k=1))  # one token kept
         tensor([0.])
     """
-    proc = _sampling(sampling, {}, "token_entropy")
+    proc = sampler_of(sampling, {}, "token_entropy")
     if kept is not None:  # the record replaces the sampler's truncation
         proc = Sampling(proc.temperature)
-    src, part, lead = _source(x, "x" if isinstance(x, FromHidden) else "logits", proc)
+    src, part, lead = source_of(x, "x" if isinstance(x, FromHidden) else "logits", proc)
     check_chunk_size(chunk_size)
     mask = check_mask(mask, lead, "hidden" if src.weight is not None else "logits", without="the last dimension")
     if kept is not None:
@@ -457,10 +456,10 @@ def token_logprobs_and_entropy(
         >>> (lp + ent).sum().backward(); logits.grad[0]  # one-hot minus softmax; H is flat at the uniform
         tensor([-0.5000,  0.5000])
     """
-    proc = _sampling(sampling, {}, "token_logprobs_and_entropy")
+    proc = sampler_of(sampling, {}, "token_logprobs_and_entropy")
     if kept is not None:  # the record replaces the sampler's truncation
         proc = Sampling(proc.temperature)
-    src, part, lead = _source(x, "x" if isinstance(x, FromHidden) else "logits", proc)
+    src, part, lead = source_of(x, "x" if isinstance(x, FromHidden) else "logits", proc)
     outside = _check_outside(outside)
     check_chunk_size(chunk_size)
     vocab = None if part.split else (src.x.shape[-1] if src.weight is None else src.weight.shape[0])
@@ -475,187 +474,3 @@ def token_logprobs_and_entropy(
     elif proc.truncates and outside == "extend":
         lp = _extend_outside(x, ids, lp, out, proc, None)
     return lp, ent
-
-
-def full_kl(
-    x: Tensor | VocabShard | FromHidden,
-    ref_x: Tensor | VocabShard | FromHidden,
-    mask: Optional[Tensor] = None,
-    *,
-    sampling: Optional[Sampling] = None,
-    reference: str = "unprocessed",
-    divergence: Divergence = "reverse",
-    beta: Optional[float] = None,
-    chunk_size: Optional[int] = None,
-    **legacy: Any,
-) -> Tensor:
-    r"""Exact per-token :math:`\mathrm{KL}(\tilde\pi \,\|\, \pi_{\mathrm{ref}})` over the vocabulary, or another divergence.
-
-    .. math::
-        \mathrm{KL} = \sum_{i \in K} \tilde p_i (\log \tilde p_i - \log q_i)
-
-    :math:`\tilde p`: the policy's distribution, ``softmax(z / T)``, or with a truncating sampler its
-    processed distribution on the kept set :math:`K`. The reference :math:`q` (``reference=``), always
-    at the same temperature (the three are one without truncation):
-
-    * ``"unprocessed"`` (default): ``softmax(z_ref / T)``, the whole vocabulary; finite.
-    * ``"policy_kept"``: the reference renormalized on the policy's kept set: the two models compared
-      among the tokens the sampler can draw; finite, 0 whenever :math:`K` is a single token.
-    * ``"processed"``: the reference processed by the same rule on its own logits. ``+inf`` where the
-      policy keeps a token the reference removes; a backward through such a token raises.
-
-    ``divergence=`` (``beta=`` for the last two, in [0, 1], default 0.5), between :math:`\tilde p` and
-    the other model's :math:`q` (a reference, a teacher), sums over the whole vocabulary with
-    :math:`0 \log 0 = 0`:
-
-    * ``"reverse"`` (default), mode seeking, the KL above:
-
-      .. math::
-          D = \mathrm{KL}(\tilde p \,\|\, q) = \sum_i \tilde p_i (\log \tilde p_i - \log q_i)
-
-    * ``"forward"``, mass covering (on-policy distillation's "forward KL"):
-
-      .. math::
-          D = \mathrm{KL}(q \,\|\, \tilde p) = \sum_i q_i (\log q_i - \log \tilde p_i)
-
-      ``+inf`` where :math:`q` has mass outside :math:`K`: with a truncating sampler take
-      ``reference="policy_kept"`` (or ``"processed"`` where the other model keeps less).
-
-    * ``"jsd"``, the generalized Jensen-Shannon divergence of GKD, TRL's convention (its
-      ``generalized_jsd_loss``): ``beta = 0`` is the forward KL, ``beta = 1`` the reverse KL, and between
-
-      .. math::
-          m = (1 - \beta)\, \tilde p + \beta\, q, \qquad
-          D = \beta\, \mathrm{KL}(q \,\|\, m) + (1 - \beta)\, \mathrm{KL}(\tilde p \,\|\, m)
-
-      finite for :math:`0 < \beta < 1`, at most :math:`\log 2` at ``beta = 0.5``.
-
-    * ``"mixed"``, NeMo-RL's ``mixed_kl_weight`` :math:`w` (which weighs the forward KL) as
-      :math:`\beta = 1 - w`, the same ends as ``"jsd"``:
-
-      .. math::
-          D = (1 - \beta)\, \mathrm{KL}(q \,\|\, \tilde p) + \beta\, \mathrm{KL}(\tilde p \,\|\, q)
-
-    No sampling noise; exact gradients w.r.t. both models' inputs (the kept sets are selections), for
-    the reverse KL :math:`\tilde p_i (\log \tilde p_i - \log q_i - \mathrm{KL}) / T` and :math:`(q_i - \tilde p_i) / T`;
-    for the others :math:`(g_i - \tilde p_i \sum_j g_j) / T` with :math:`g = \partial D / \partial \log \tilde p`
-    (forward: :math:`(\tilde p_i - q_i) / T`), and the other side's the same with the roles swapped. The
-    other side requires no gradient unless it is meant to train: one that does gets its exact gradient,
-    with the warning that it requires grad. Chunked, one engine for every divergence: beyond the
-    inputs and their gradients a few chunk-sized temporaries and ``O(n)`` numbers. The JSD strictly
-    between its ends reads a head's vocabulary tiles, or a split vocabulary's shards, twice in forward
-    (its mixture needs both models' global log-sums first).
-
-    Args:
-        x, ref_x: the policy's and the reference's ``[..., V]`` logits, both split over the vocabulary
-            the same way (DTensors ``Shard(-1)`` or :class:`~lightning_kl.VocabShard`), or both
-            :class:`FromHidden`.
-        mask: optional ``[...]``, True on valid tokens: value 0 and gradient exactly 0 elsewhere, even
-            where the inputs hold NaN.
-        sampling: the policy's sampler (None: ``softmax(z)``); truncation refused on a split vocabulary.
-        reference: one of :data:`REFERENCES`.
-        divergence: one of :data:`~lightning_kl.kernels.divergence.DIVERGENCES` (above).
-        beta: ``"jsd"`` and ``"mixed"`` only: a number in [0, 1], default 0.5.
-        chunk_size: rows per chunk.
-
-    ``ref_x`` may be a teacher's top-k log-probs, :class:`~lightning_kl.TopK`: the divergence between both
-    models coarsened onto its ids and a tail (:func:`lightning_kl.distill.topk.topk_divergence`, which takes
-    ``divergence=``, ``beta=`` and ``return_tails=``).
-
-    The deprecated ``temperature=`` keyword still works, with a ``DeprecationWarning``.
-
-    Returns:
-        ``[...]`` KL per token, float32 (float64 for float64 inputs), the same on every rank of a split.
-
-    Raises:
-        TypeError: for inputs that are not floating point tensors, a mix of forms (named).
-        ValueError: for shapes or devices that do not match (named), a bad reference, divergence, beta,
-            sampler or chunk size (the valid values named); in backward, for a ``+inf`` value with a gradient.
-
-    Example:
-        >>> z = torch.tensor([[0.0, 0.0], [2.0, -1.0]], requires_grad=True)
-        >>> ref = torch.tensor([[1.0, -1.0], [2.0, -1.0]])
-        >>> kl = full_kl(z, ref)
-        >>> kl  # row 0: 0.5 log(0.5/0.8808) + 0.5 log(0.5/0.1192); row 1: identical distributions
-        tensor([0.4338, 0.0000], grad_fn=<_FullKLBackward>)
-        >>> kl.sum().backward(); z.grad  # p (log p - log q - KL): 0.5 (-0.5662 - 0.4338), ...
-        tensor([[-0.5000,  0.5000],
-                [ 0.0000,  0.0000]])
-        >>> full_kl(torch.tensor([[2.0, 1.0, 0.0]]), torch.tensor([[0.0, 1.0, 2.0]]), sampling=Sampling(top_k=2), reference="processed")
-        tensor([inf])
-        >>> full_kl(z.detach(), ref, divergence="forward")  # row 0: 0.8808 log(0.8808/0.5) + 0.1192 log(0.1192/0.5)
-        tensor([0.3278, 0.0000])
-    """
-    from lightning_kl.distill.topk import TopK, topk_divergence  # (that module imports this one)
-
-    if isinstance(ref_x, TopK):  # a teacher's top-k log-probs: the divergence coarsened onto its ids and a tail
-        return topk_divergence(
-            x, ref_x, mask, sampling=sampling, reference=reference, divergence=divergence, beta=beta, chunk_size=chunk_size, **legacy
-        )
-    proc = _sampling(sampling, legacy, "full_kl")
-    if reference not in REFERENCES:
-        raise ValueError(f"`reference` must be one of {REFERENCES}, got {reference!r}.")
-    divergence, beta = check_divergence(divergence, beta)
-    check_chunk_size(chunk_size)
-    hidden = isinstance(x, FromHidden), isinstance(ref_x, FromHidden)
-    if hidden[0] != hidden[1]:
-        raise TypeError("`x` and `ref_x` must both be logits (or vocabulary shards) or both lk.FromHidden, not one of each.")
-    if hidden[0]:
-        mask = check_full_hidden_inputs(x.hidden, x.weight, x.bias, ref_x.hidden, ref_x.weight, ref_x.bias, mask)
-    else:
-        mask = check_full_inputs(x, ref_x, mask)
-    (src, part, _), (ref, ref_part, _) = _source(x, "x" if hidden[0] else "logits", proc), _source(ref_x, "ref_x" if hidden[0] else "ref_logits", proc)
-    part = same_partition(part, "weight" if hidden[0] else "logits", ref_part, "ref_weight" if hidden[0] else "ref_logits")
-    return full_kl_kernel(src, ref, None if mask is None else ~mask.reshape(-1), proc, reference, part, chunk_size, divergence, beta)
-
-
-# ---------------------------------------------------------------------------------------------
-# deprecated names (one minor version): each warns and calls the function that replaces it
-
-
-def _deprecated(old: str, new: str) -> None:
-    warnings.warn(f"lk.{old} is deprecated: use {new}.", DeprecationWarning, stacklevel=3)
-
-
-def token_logprobs_from_hidden(
-    hidden: Tensor,
-    weight: Tensor | VocabShard,
-    tokens: Tensor,
-    bias: Optional[Tensor] = None,
-    temperature: float = 1.0,
-    ignore_index: Optional[int] = None,
-    *,
-    chunk_size: Optional[int] = None,
-    vocab_chunk_size: Optional[int] = None,
-    top_k: Optional[int] = None,
-    top_p: Optional[float] = None,
-    min_p: Optional[float] = None,
-) -> Tensor:
-    """Deprecated: ``lk.token_logprobs(lk.FromHidden(hidden, weight, bias), tokens, sampling=lk.Sampling(...))``.
-
-    ``vocab_chunk_size`` is checked and no longer used (the engine's chunks are rows over the whole vocabulary).
-    """
-    _deprecated("token_logprobs_from_hidden", "lk.token_logprobs(lk.FromHidden(hidden, weight, bias), tokens, sampling=lk.Sampling(...))")
-    check_chunk_size(vocab_chunk_size, "vocab_chunk_size")
-    proc = Sampling(temperature, top_k, top_p, min_p)
-    return _token_logprobs(FromHidden(hidden, weight, bias), tokens, proc, ignore_index, "raise", None, False, chunk_size)
-
-
-def full_kl_from_hidden(
-    hidden: Tensor,
-    weight: Tensor | VocabShard,
-    ref_hidden: Tensor,
-    ref_weight: Tensor | VocabShard,
-    mask: Optional[Tensor] = None,
-    *,
-    bias: Optional[Tensor] = None,
-    ref_bias: Optional[Tensor] = None,
-    temperature: float = 1.0,
-    chunk_size: Optional[int] = None,
-) -> Tensor:
-    """Deprecated: ``lk.full_kl(lk.FromHidden(hidden, weight, bias), lk.FromHidden(ref_hidden, ref_weight, ref_bias), mask)``."""
-    _deprecated("full_kl_from_hidden", "lk.full_kl(lk.FromHidden(hidden, weight, bias), lk.FromHidden(ref_hidden, ref_weight, ref_bias), mask)")
-    return full_kl(
-        FromHidden(hidden, weight, bias), FromHidden(ref_hidden, ref_weight, ref_bias), mask, sampling=Sampling(temperature), chunk_size=chunk_size
-    )
-

@@ -19,6 +19,8 @@ LAYER_OF = {
     "functional": 2,
     "sequence": 2,
     "logprobs": 2,
+    "divergences": 2,
+    "distill": 2,
     "deprecated": 2,
     "accumulation": 2,
     "mismatch": 2,

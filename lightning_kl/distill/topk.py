@@ -66,7 +66,7 @@ from torch import Tensor
 from lightning_kl.ground.checks import check_mask, check_values, compute_dtype
 from lightning_kl.kernels.divergence import check_divergence, pointwise
 from lightning_kl.kernels.engine import REFERENCES, token_logprobs_kernel
-from lightning_kl.logprobs import FromHidden, _sampling, _source
+from lightning_kl.logprobs import FromHidden, sampler_of, source_of
 
 __all__ = ["TopK", "TopKDivergence", "topk_divergence"]
 
@@ -270,7 +270,7 @@ def topk_divergence(
     name, beta = check_divergence(divergence, beta)
     if not isinstance(topk, TopK):
         raise TypeError(f"`topk` must be an lk.TopK, got {type(topk).__name__}.")
-    proc = _sampling(sampling, {}, "full_kl")
+    proc = sampler_of(sampling, {}, "full_kl")
     if reference not in REFERENCES:
         raise ValueError(f"`reference` must be one of {REFERENCES}, got {reference!r}.")
     if proc.truncates and reference != "unprocessed":
@@ -283,7 +283,7 @@ def topk_divergence(
         raise TypeError(f"`return_tails` must be a bool, got {return_tails!r}.")
     hidden = isinstance(x, FromHidden)
     like = "hidden" if hidden else "logits"
-    src, part, lead_t = _source(x, "x" if hidden else "logits", proc)
+    src, part, lead_t = source_of(x, "x" if hidden else "logits", proc)
     lead = lead_t.shape[:-1]
     if topk.ids.shape[:-1] != lead:
         raise ValueError(
