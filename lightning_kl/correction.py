@@ -3,7 +3,6 @@ r"""``RolloutCorrection``: importance weights and a kept mask for tokens sampled
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
@@ -11,6 +10,19 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_kl.correction_config import (  # the constants: importable here as before
+    OPENRLHF_DEFAULTS,
+    TRL_DEFAULTS,
+    TRL_MODES,
+    VERL_ACTOR_DEFAULTS,
+    VERL_DEFAULTS,
+    VERL_LOSS_MODES,
+    check_choice,
+    check_number,
+    openrlhf_arguments,
+    trl_arguments,
+    verl_arguments,
+)
 from lightning_kl.ground.checks import host_reads
 from lightning_kl.ground.parallel import DataParallelGroup, check_parallel_args, collective_device, data_parallel_group, sum_or_refuse
 from lightning_kl.mismatch import (
@@ -36,50 +48,6 @@ __all__ = ["RolloutCorrection", "RolloutCorrectionResult"]
 
 WeightLevel = Union[Literal[WEIGHT_LEVELS], None]  # type: ignore[valid-type]
 WeightMode = Union[Literal[WEIGHT_MODES], str]  # type: ignore[valid-type]
-
-#: the keys of verl's ``algorithm.rollout_correction`` block (verl 0.9.1), with verl's defaults
-VERL_DEFAULTS: dict[str, Any] = {
-    "rollout_is": None,
-    "rollout_is_threshold": 2.0,
-    "rollout_is_batch_normalize": False,
-    "rollout_rs": None,
-    "rollout_rs_threshold": None,
-    "bypass_mode": False,
-    "loss_type": "ppo_clip",
-}
-#: the settings of verl's actor (``actor_rollout_ref.actor``, verl 0.9.1) read by ``from_verl(..., actor=)``,
-#: with the defaults of verl's ``ActorConfig`` / ``PolicyLossConfig``
-VERL_ACTOR_DEFAULTS: dict[str, Any] = {
-    "policy_loss": {"loss_mode": "vanilla"},
-    "clip_ratio": 0.2,
-    "clip_ratio_low": 0.2,
-    "clip_ratio_high": 0.2,
-    "clip_ratio_c": 3.0,
-}
-#: verl 0.9.1's registered policy losses (``core_algos.register_policy_loss``)
-VERL_LOSS_MODES = (
-    "vanilla", "dppo_tv", "dppo_kl", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "dro", "cispo",
-    "bypass_mode",
-)  # fmt: skip
-#: TRL's ``GRPOConfig`` fields read by :meth:`RolloutCorrection.from_trl` (TRL 1.16), with TRL's defaults
-TRL_DEFAULTS: dict[str, Any] = {
-    "use_vllm": False,
-    "vllm_importance_sampling_correction": True,
-    "vllm_importance_sampling_mode": "sequence_mask",
-    "vllm_importance_sampling_clip_min": None,
-    "vllm_importance_sampling_clip_max": 3.0,
-    "vllm_importance_sampling_cap": None,
-    "off_policy_mask_threshold": None,
-}
-TRL_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-#: OpenRLHF's ``algo.advantage`` settings read by :meth:`RolloutCorrection.from_openrlhf` (OpenRLHF 0.11.2)
-OPENRLHF_DEFAULTS: dict[str, Any] = {
-    "is_correction_level": "off",
-    "is_correction_mode": "mask",
-    "is_correction_gating": "ratio",
-    "is_correction_threshold": (0.5, 5.0),
-}
-
 
 @dataclass
 class RolloutCorrectionResult:
@@ -118,67 +86,6 @@ def _normalized(weights: Tensor, mask: Tensor, terms: Tensor) -> tuple[Tensor, T
     factor = torch.where(lost, nan, factor)
     normalized = torch.where(lost & mask, nan.to(weights.dtype), normalized)
     return normalized, factor
-
-
-def _number(name: str, value: Any, allow_none: bool = True) -> Optional[float]:
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"`{name}` must be a number{' or None' if allow_none else ''}, got {value!r}.")
-    value = float(value)
-    if not value > 0 or not math.isfinite(value):
-        raise ValueError(f"`{name}` must be positive and finite, got {value!r}.")
-    return value
-
-
-def _choice(name: str, value: Any, valid: tuple[Any, ...]) -> Any:
-    if value not in valid:
-        raise ValueError(f"unknown `{name}` {value!r}; valid values: {', '.join(repr(v) for v in valid)}.")
-    return value
-
-
-def _read(cfg: Any, defaults: dict[str, Any], who: str, strict: bool) -> dict[str, Any]:
-    """The settings of ``cfg`` (a mapping or an object with attributes), verbatim, over ``defaults``."""
-    out = dict(defaults)
-    if isinstance(cfg, Mapping):
-        extra = sorted(str(k) for k in cfg if k not in defaults and k != "_target_")
-        if strict and extra:
-            raise ValueError(f"unknown key(s) {extra} in {who}'s configuration; valid keys: {', '.join(defaults)}.")
-        out.update({k: cfg[k] for k in cfg if k in defaults})
-    elif cfg is not None:
-        out.update({k: getattr(cfg, k) for k in defaults if hasattr(cfg, k)})
-    return out
-
-
-def _verl_dppo(actor: Any, block: dict[str, Any]) -> Optional[dict[str, Any]]:
-    """The constructor's arguments for verl's DPPO policy loss (``from_verl(..., actor=)``), or None for
-    another loss mode."""
-    a = _read(actor, VERL_ACTOR_DEFAULTS, "verl's actor", strict=False)
-    loss = a["policy_loss"]
-    mode = loss.get("loss_mode", "vanilla") if isinstance(loss, Mapping) else getattr(loss, "loss_mode", "vanilla")
-    mode = _choice("policy_loss.loss_mode", mode, VERL_LOSS_MODES)
-    if mode not in ("dppo_tv", "dppo_kl"):
-        return None
-    if block["bypass_mode"]:
-        raise ValueError(
-            f"loss_mode={mode!r} with bypass_mode=True: verl replaces the loss mode by 'bypass_mode' there "
-            "(rollout_corr_helper.setup_bypass_mode), so no DPPO gate applies; set bypass_mode=False, or drop the "
-            "DPPO loss mode to load the bypass correction."
-        )
-    if block["rollout_is"] is not None or block["rollout_rs"] is not None:
-        raise ValueError(
-            f"loss_mode={mode!r} with rollout_is/rollout_rs: verl multiplies two ratios (the old policy's to the "
-            "sampler's, the current policy's to the old one's), which one correction does not hold: build "
-            "RolloutCorrection.from_verl(block) for the first (called with the old and the sampler's log-probs) and "
-            "RolloutCorrection.from_verl({}, actor=actor) for the second (the current and the old log-probs)."
-        )
-    clip = a["clip_ratio"]
-    low = clip if a["clip_ratio_low"] is None else a["clip_ratio_low"]
-    high = clip if a["clip_ratio_high"] is None else a["clip_ratio_high"]
-    return {
-        "weights": "token", "mode": "truncate", "lower": None, "upper": a["clip_ratio_c"], "bypass": True,
-        "trust_region": "binary_tv" if mode == "dppo_tv" else "binary_kl", "trust_region_threshold": (low, high),
-    }  # fmt: skip
 
 
 class RolloutCorrection(nn.Module):
@@ -282,10 +189,10 @@ class RolloutCorrection(nn.Module):
         device_mesh: Any = None,
     ) -> None:
         super().__init__()
-        self.weights = _choice("weights", weights, (*WEIGHT_LEVELS, None))
-        self.mode = _choice("mode", mode, WEIGHT_MODES)
-        self.lower = _number("lower", lower)
-        self.upper = _number("upper", upper)
+        self.weights = check_choice("weights", weights, (*WEIGHT_LEVELS, None))
+        self.mode = check_choice("mode", mode, WEIGHT_MODES)
+        self.lower = check_number("lower", lower)
+        self.upper = check_number("upper", upper)
         if self.lower is not None and self.upper is not None and self.lower > self.upper:
             raise ValueError(f"`lower` ({self.lower}) must not exceed `upper` ({self.upper}).")
         if self.weights is not None and self.mode == "mask" and self.lower is None and self.upper is None:
@@ -316,7 +223,7 @@ class RolloutCorrection(nn.Module):
         if not return_weights and self.weights is None:
             raise ValueError("`return_weights=False` measures the weights without returning them, but `weights` is None.")
         self.return_weights = return_weights
-        self.trust_region = _choice("trust_region", trust_region, (*TRUST_REGIONS, None))
+        self.trust_region = check_choice("trust_region", trust_region, (*TRUST_REGIONS, None))
         if trust_region is None and trust_region_threshold is not None:
             raise ValueError(
                 f"`trust_region_threshold` {trust_region_threshold!r} given without `trust_region`; valid regions: "
@@ -486,33 +393,7 @@ class RolloutCorrection(nn.Module):
             >>> RolloutCorrection.from_verl({"rollout_is": "token", "rollout_is_threshold": "0.5_5.0"})
             RolloutCorrection(weights='token', mode='mask', lower=0.5, upper=5.0)
         """
-        c = _read(cfg, VERL_DEFAULTS, "verl's rollout_correction", strict=True)
-        level = _choice("rollout_is", c["rollout_is"], (None, "token", "sequence"))
-        _choice("loss_type", c["loss_type"], ("ppo_clip", "reinforce"))
-        if actor is not None:
-            dppo = _verl_dppo(actor, c)
-            if dppo is not None:
-                return cls(**dppo, **kwargs)
-        threshold = c["rollout_is_threshold"]
-        args: dict[str, Any] = {"weights": None if threshold is None else level, "upper": None}
-        if args["weights"] is not None:
-            if isinstance(threshold, bool) or not isinstance(threshold, (int, float, str)):
-                raise TypeError(f"`rollout_is_threshold` must be a number or a 'lower_upper' string, got {threshold!r}.")
-            text = str(threshold).strip()
-            try:
-                if "_" in text:
-                    lo, hi = text.split("_", 1)
-                    args.update(mode="mask", lower=float(lo), upper=float(hi))
-                else:
-                    args.update(mode="truncate", upper=float(text))
-            except ValueError:
-                raise ValueError(f"invalid `rollout_is_threshold` {threshold!r}: a number or 'lower_upper'.") from None
-            args["batch_normalize"] = bool(c["rollout_is_batch_normalize"])
-        args.update(rejection=c["rollout_rs"], rejection_threshold=c["rollout_rs_threshold"] if c["rollout_rs"] else None)
-        args["bypass"] = bool(c["bypass_mode"])
-        if args["bypass"] and c["loss_type"] == "ppo_clip" and args["weights"] is not None:
-            args["return_weights"] = False  # verl: "DO NOT apply IS weights - would be double-counting!"
-        return cls(**args, **kwargs)
+        return cls(**verl_arguments(cfg, actor), **kwargs)
 
     @classmethod
     def from_trl(cls, cfg: Any, **kwargs: Any) -> "RolloutCorrection":
@@ -531,18 +412,7 @@ class RolloutCorrection(nn.Module):
             >>> RolloutCorrection.from_trl({})  # GRPOConfig's defaults: no vLLM, no importance weights
             RolloutCorrection(weights=None)
         """
-        c = _read(cfg, TRL_DEFAULTS, "TRL", strict=False)
-        if not isinstance(c["use_vllm"], bool):
-            raise TypeError(f"`use_vllm` must be a bool, got {c['use_vllm']!r}.")
-        mode = _choice("vllm_importance_sampling_mode", c["vllm_importance_sampling_mode"], TRL_MODES)
-        upper = c["vllm_importance_sampling_clip_max"]
-        if c["vllm_importance_sampling_cap"] is not None:
-            upper = c["vllm_importance_sampling_cap"]
-        level, how = mode.split("_")
-        args: dict[str, Any] = {"weights": None, "upper": None}
-        if c["use_vllm"] and c["vllm_importance_sampling_correction"]:
-            args = {"weights": level, "mode": how, "lower": c["vllm_importance_sampling_clip_min"], "upper": upper}
-        return cls(**args, offpolicy_mask_threshold=c["off_policy_mask_threshold"], **kwargs)
+        return cls(**trl_arguments(cfg), **kwargs)
 
     @classmethod
     def from_openrlhf(cls, cfg: Any, **kwargs: Any) -> "RolloutCorrection":
@@ -561,25 +431,4 @@ class RolloutCorrection(nn.Module):
             >>> RolloutCorrection.from_openrlhf({"is_correction_level": "token", "is_correction_mode": "clip"})
             RolloutCorrection(weights='token', mode='truncate', lower=0.5, upper=5.0)
         """
-        algo = getattr(cfg, "algo", None)
-        if algo is not None and hasattr(algo, "advantage"):
-            cfg = algo.advantage
-        c = _read(cfg, OPENRLHF_DEFAULTS, "OpenRLHF", strict=False)
-        level = _choice("is_correction_level", c["is_correction_level"], ("off", "token", "seq"))
-        how = _choice("is_correction_mode", c["is_correction_mode"], ("mask", "clip"))
-        _choice("is_correction_gating (implemented here)", c["is_correction_gating"], ("ratio",))
-        threshold = list(c["is_correction_threshold"])
-        if len(threshold) == 1:
-            threshold.insert(0, 0.0)  # one value is an upper bound only, as OpenRLHF's command line reads it
-        if len(threshold) != 2:
-            raise ValueError(f"`is_correction_threshold` takes [high] or [low, high], got {c['is_correction_threshold']!r}.")
-        low, high = (float(x) for x in threshold)
-        lower = low if low > 0 else None
-        if level == "off":
-            return cls(weights=None, upper=None, **kwargs)
-        if level == "token":
-            return cls(weights="token", mode="truncate" if how == "clip" else "mask", lower=lower, upper=high, **kwargs)
-        if how == "clip":
-            raise ValueError("is_correction_mode='clip' needs is_correction_level='token' (as OpenRLHF requires).")
-        bounds = f"{1.0 / high!r}_{(1.0 / low if low > 0 else math.inf)!r}"
-        return cls(weights="token", upper=None, rejection="seq_mean_k1", rejection_threshold=bounds, **kwargs)
+        return cls(**openrlhf_arguments(cfg), **kwargs)
