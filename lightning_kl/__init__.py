@@ -13,7 +13,6 @@ from lightning_kl.accumulation import step_totals
 from lightning_kl.callbacks.kl_reward import KLRewardCallback
 from lightning_kl.controllers import AdaptiveKLController, FixedKLController, KLController, KLSchedule, TargetKLController
 from lightning_kl.correction import RolloutCorrection
-from lightning_kl.cov_select import covariance_mask
 from lightning_kl.entropy import EntropyBonus
 from lightning_kl.entropy_controller import TargetEntropyController
 from lightning_kl.estimators import EstimatorName
@@ -61,7 +60,6 @@ __all__ = [
     "TopK",
     "Sampling",
     "aggregate",
-    "covariance_mask",
     "full_kl",
     "high_entropy_mask",
     "hf",

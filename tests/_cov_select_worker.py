@@ -1,4 +1,4 @@
-"""``lk.covariance_mask`` on W gloo processes (W = 2 or 3), for ``tests/test_cov_select.py``.
+"""``covariance_mask`` (``lightning_kl.cov_select``) on W gloo processes (W = 2 or 3), for ``tests/test_cov_select.py``.
 
 ``python tests/_cov_select_worker.py OUT_DIR W`` spawns W processes (a file store in OUT_DIR: no port;
 a process group timeout of :data:`PG_TIMEOUT_S`); rank ``r`` holds :func:`rank_data` ``(W, r, kind)``
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-import lightning_kl as lk
+from lightning_kl.cov_select import covariance_mask
 from _ddp import write_rank_record
 
 T = 10
@@ -69,7 +69,7 @@ def rank_data(world: int, rank: int, kind: str) -> dict[str, torch.Tensor]:
 
 def select(d: dict[str, torch.Tensor], kwargs: dict[str, Any]) -> torch.Tensor:
     extra = {"old_logprob": d["old"]} if kwargs["loss_mode"] == "clip_cov" else {}
-    return lk.covariance_mask(d["lp"], d["adv"], d["mask"], **kwargs, **extra)
+    return covariance_mask(d["lp"], d["adv"], d["mask"], **kwargs, **extra)
 
 
 def _main(rank: int, out: str, world: int) -> None:
@@ -91,7 +91,7 @@ def _main(rank: int, out: str, world: int) -> None:
         d = rank_data(world, rank, "unequal")
         bad = d["adv"][:, :-1] if rank == world - 1 else d["adv"]
         try:
-            lk.covariance_mask(d["lp"], bad, d["mask"], loss_mode="kl_cov")
+            covariance_mask(d["lp"], bad, d["mask"], loss_mode="kl_cov")
             record["raised"] = None
         except ValueError as err:
             record["raised"] = str(err)

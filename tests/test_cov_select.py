@@ -1,4 +1,4 @@
-"""``lk.covariance_mask``: KL-Cov's and Clip-Cov's tokens, against verl 0.9.1's own ``compute_policy_loss_kl_cov``
+"""``covariance_mask`` (``lightning_kl.cov_select``): KL-Cov's and Clip-Cov's tokens, against verl 0.9.1's own ``compute_policy_loss_kl_cov``
 / ``_clip_cov`` (run from the installed package, ``tests/_verl_losses.py``) on one process, against exact
 dyadic arithmetic at ties and at the window's bounds, and on 2 and 3 gloo processes against one process
 on the concatenated batch (``tests/_cov_select_worker.py``)."""
@@ -16,6 +16,7 @@ import torch
 from torch.testing import assert_close
 
 import lightning_kl as lk
+from lightning_kl.cov_select import covariance_mask
 from _ddp import run_ddp_worker
 from _snippets import snippet
 from lightning_kl.cov_select import DEFAULT_CLIP, DEFAULT_FRACTION, DEFAULT_WINDOW, clipped_by_ppo
@@ -64,7 +65,7 @@ def test_kl_cov_chooses_verls_tokens_and_gives_its_loss(fraction: float) -> None
     d = _data(seed=1)
     coef = 1000.0
     want_loss, want_grad, want = _verl("kl_cov", d, kl_cov_ratio=fraction, ppo_kl_coef=coef)
-    got = lk.covariance_mask(d["lp"], d["adv"], d["mask"], loss_mode="kl_cov", fraction=fraction)
+    got = covariance_mask(d["lp"], d["adv"], d["mask"], loss_mode="kl_cov", fraction=fraction)
     n = int(d["mask"].sum())
     assert int(got.sum()) == max(1, int(n * fraction))  # 1e-9: floor(fraction * n) = 0, still one token
     assert torch.equal(got, want)
@@ -82,13 +83,13 @@ def test_clip_cov_chooses_verls_tokens_with_the_same_random_state(fraction: floa
     torch.manual_seed(7)
     want_loss, want_grad, want = _verl("clip_cov", d, clip_cov_ratio=fraction, clip_cov_lb=window[0], clip_cov_ub=window[1])
     torch.manual_seed(7)
-    got = lk.covariance_mask(d["lp"], d["adv"], d["mask"], loss_mode="clip_cov", fraction=fraction,
+    got = covariance_mask(d["lp"], d["adv"], d["mask"], loss_mode="clip_cov", fraction=fraction,
                              old_logprob=d["old"], window=window)  # fmt: skip
     assert torch.equal(got, want)
     assert 0 < int(got.sum())
     if fraction < 1:  # fewer chosen than candidates: the permutation decides, so the random state matters
         torch.manual_seed(8)
-        other = lk.covariance_mask(d["lp"], d["adv"], d["mask"], loss_mode="clip_cov", fraction=fraction,
+        other = covariance_mask(d["lp"], d["adv"], d["mask"], loss_mode="clip_cov", fraction=fraction,
                                    old_logprob=d["old"], window=window)  # fmt: skip
         assert int(other.sum()) == int(got.sum()) and not torch.equal(other, got)
     lp = d["lp"].clone().requires_grad_()
@@ -124,9 +125,9 @@ def test_ties_at_the_kth_covariance_go_to_the_first_tokens_exactly_k_of_them() -
     adv = torch.tensor([[1.0, -1.0, 1.0, -1.0, 0.0, 0.0, 1.0, -1.0]])
     # means -2 and 0: c = 1 on the six tokens of lp -1 / -3, 0 on the two of lp -2
     mask = torch.ones_like(lp, dtype=torch.bool)
-    got = lk.covariance_mask(lp, adv, mask, loss_mode="kl_cov", fraction=0.25)  # k = 2 of six tied
+    got = covariance_mask(lp, adv, mask, loss_mode="kl_cov", fraction=0.25)  # k = 2 of six tied
     assert got.tolist() == [[True, True, False, False, False, False, False, False]]
-    got = lk.covariance_mask(lp, adv, mask, loss_mode="kl_cov", fraction=0.875)  # k = 7: the six, then a 0
+    got = covariance_mask(lp, adv, mask, loss_mode="kl_cov", fraction=0.875)  # k = 7: the six, then a 0
     assert got.tolist() == [[True, True, True, True, True, False, True, True]]
 
 
@@ -135,12 +136,12 @@ def test_clip_cov_window_is_strict_at_both_bounds() -> None:
     adv = torch.tensor([[3.0, -1.0, -1.0, -1.0]], dtype=torch.float64)  # mean 0: c = 3, 1, -1, 1
     m = torch.ones_like(lp, dtype=torch.bool)
     kw = {"loss_mode": "clip_cov", "fraction": 1.0, "old_logprob": lp}  # ratio 1: nothing clipped
-    assert lk.covariance_mask(lp, adv, m, window=(1.0, 5.0), **kw).tolist() == [[True, False, False, False]]
-    assert lk.covariance_mask(lp, adv, m, window=(math.nextafter(1.0, 0), 5.0), **kw).tolist() == [[True, True, False, True]]
-    assert lk.covariance_mask(lp, adv, m, window=(0.0, 3.0), **kw).tolist() == [[False, True, False, True]]
-    assert lk.covariance_mask(lp, adv, m, window=(0.0, math.nextafter(3.0, 4)), **kw).tolist() == [[True, True, False, True]]
+    assert covariance_mask(lp, adv, m, window=(1.0, 5.0), **kw).tolist() == [[True, False, False, False]]
+    assert covariance_mask(lp, adv, m, window=(math.nextafter(1.0, 0), 5.0), **kw).tolist() == [[True, True, False, True]]
+    assert covariance_mask(lp, adv, m, window=(0.0, 3.0), **kw).tolist() == [[False, True, False, True]]
+    assert covariance_mask(lp, adv, m, window=(0.0, math.nextafter(3.0, 4)), **kw).tolist() == [[True, True, False, True]]
     # no candidate in the window: nothing, whatever the fraction
-    assert not lk.covariance_mask(lp, adv, m, window=(3.0, 4.0), **kw).any()
+    assert not covariance_mask(lp, adv, m, window=(3.0, 4.0), **kw).any()
 
 
 def test_clip_cov_leaves_out_the_tokens_ppo_already_clips() -> None:
@@ -149,32 +150,32 @@ def test_clip_cov_leaves_out_the_tokens_ppo_already_clips() -> None:
     old = lp.clone()
     old[0, 0] = -2.0  # ratio e for A = 3 > 0: above 1 + 0.2, PPO clips it
     m = torch.ones_like(lp, dtype=torch.bool)
-    got = lk.covariance_mask(lp, adv, m, loss_mode="clip_cov", fraction=1.0, old_logprob=old, window=(0.5, 5.0))
+    got = covariance_mask(lp, adv, m, loss_mode="clip_cov", fraction=1.0, old_logprob=old, window=(0.5, 5.0))
     assert got.tolist() == [[False, True, False, True]]
-    wide = lk.covariance_mask(lp, adv, m, loss_mode="clip_cov", fraction=1.0, old_logprob=old, window=(0.5, 5.0), clip=(0.2, 2.0))
+    wide = covariance_mask(lp, adv, m, loss_mode="clip_cov", fraction=1.0, old_logprob=old, window=(0.5, 5.0), clip=(0.2, 2.0))
     assert wide.tolist() == [[True, True, False, True]]
 
 
 def test_padding_is_never_read_and_nan_at_a_valid_token_selects_nothing() -> None:
     d = _data(seed=5)
-    want = lk.covariance_mask(d["lp"], d["adv"], d["mask"], loss_mode="kl_cov", fraction=0.1)
+    want = covariance_mask(d["lp"], d["adv"], d["mask"], loss_mode="kl_cov", fraction=0.1)
     lp, adv = d["lp"].clone(), d["adv"].clone()
     lp[~d["mask"]] = math.nan
     adv[~d["mask"]] = math.inf
-    assert torch.equal(lk.covariance_mask(lp, adv, d["mask"], loss_mode="kl_cov", fraction=0.1), want)
+    assert torch.equal(covariance_mask(lp, adv, d["mask"], loss_mode="kl_cov", fraction=0.1), want)
     assert not (want & ~d["mask"]).any()
     i = d["mask"].nonzero()[3]
     lp[i[0], i[1]] = math.nan
     for kw in ({"loss_mode": "kl_cov"}, {"loss_mode": "clip_cov", "old_logprob": d["old"], "window": (-1e9, 1e9)}):
-        assert not lk.covariance_mask(lp, adv, d["mask"], fraction=1.0, **kw).any()
+        assert not covariance_mask(lp, adv, d["mask"], fraction=1.0, **kw).any()
 
 
 def test_no_valid_token_selects_nothing_and_shapes_follow_the_input() -> None:
     lp = torch.full((2, 3), -1.0)
     none = torch.zeros(2, 3, dtype=torch.bool)
-    assert lk.covariance_mask(lp, torch.ones(2), none, loss_mode="kl_cov").tolist() == none.tolist()
-    assert lk.covariance_mask(lp[:0], torch.ones(0), loss_mode="kl_cov").shape == (0, 3)
-    out = lk.covariance_mask(lp[None], torch.ones(1, 2, 1), loss_mode="clip_cov", old_logprob=lp[None])
+    assert covariance_mask(lp, torch.ones(2), none, loss_mode="kl_cov").tolist() == none.tolist()
+    assert covariance_mask(lp[:0], torch.ones(0), loss_mode="kl_cov").shape == (0, 3)
+    out = covariance_mask(lp[None], torch.ones(1, 2, 1), loss_mode="clip_cov", old_logprob=lp[None])
     assert out.shape == (1, 2, 3) and out.dtype == torch.bool
 
 
@@ -195,9 +196,9 @@ def test_no_valid_token_selects_nothing_and_shapes_follow_the_input() -> None:
 )
 def test_bad_settings_and_inputs_are_refused(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        lk.covariance_mask(torch.full((2, 3), -1.0), torch.ones(2), **kwargs)
+        covariance_mask(torch.full((2, 3), -1.0), torch.ones(2), **kwargs)
     with pytest.raises(ValueError, match=r"`advantages` must be \[...\], \[..., 1\] or \[..., t\] for log-probs \(2, 3\), got \(3,\)"):
-        lk.covariance_mask(torch.full((2, 3), -1.0), torch.ones(3), loss_mode="kl_cov")
+        covariance_mask(torch.full((2, 3), -1.0), torch.ones(3), loss_mode="kl_cov")
 
 
 def test_the_defaults_are_verls() -> None:
@@ -296,7 +297,7 @@ def test_verls_per_micro_batch_choice_depends_on_the_split_as_docs_say(
     # `micro` sequences against one choice over the whole batch
     d = _split_batch()
     assert int(d["mask"].sum()) == 7851
-    whole = lk.covariance_mask(d["lp"], d["adv"], d["mask"], loss_mode="kl_cov", fraction=fraction)
+    whole = covariance_mask(d["lp"], d["adv"], d["mask"], loss_mode="kl_cov", fraction=fraction)
     parts = [_verl("kl_cov", {k: v[i : i + micro] for k, v in d.items()}, kl_cov_ratio=fraction, ppo_kl_coef=1000.0)[2]
              for i in range(0, 64, micro)]  # fmt: skip
     per = torch.cat(parts)
@@ -306,12 +307,12 @@ def test_verls_per_micro_batch_choice_depends_on_the_split_as_docs_say(
 def test_clip_cov_draws_its_permutation_from_the_generator_given() -> None:
     d = _data(seed=2)
     kw = {"loss_mode": "clip_cov", "fraction": 0.02, "old_logprob": d["old"]}
-    a = lk.covariance_mask(d["lp"], d["adv"], d["mask"], generator=torch.Generator().manual_seed(5), **kw)
+    a = covariance_mask(d["lp"], d["adv"], d["mask"], generator=torch.Generator().manual_seed(5), **kw)
     torch.manual_seed(0)
-    b = lk.covariance_mask(d["lp"], d["adv"], d["mask"], generator=torch.Generator().manual_seed(5), **kw)
+    b = covariance_mask(d["lp"], d["adv"], d["mask"], generator=torch.Generator().manual_seed(5), **kw)
     torch.manual_seed(5)
-    c = lk.covariance_mask(d["lp"], d["adv"], d["mask"], **kw)  # the global generator in the same state
-    other = lk.covariance_mask(d["lp"], d["adv"], d["mask"], generator=torch.Generator().manual_seed(6), **kw)
+    c = covariance_mask(d["lp"], d["adv"], d["mask"], **kw)  # the global generator in the same state
+    other = covariance_mask(d["lp"], d["adv"], d["mask"], generator=torch.Generator().manual_seed(6), **kw)
     assert torch.equal(a, b) and torch.equal(a, c) and not torch.equal(a, other)
 
 
