@@ -384,7 +384,7 @@ class RolloutCorrection(nn.Module):
         ``rollout_is`` / ``rollout_rs`` (verl multiplies two ratios, the old policy's to the sampler's
         and the current one's to the old: build one correction for each). Any other verl loss mode
         leaves the correction as the block says (the policy loss is the caller's; ``kl_cov`` and
-        ``clip_cov`` select their tokens with :func:`lightning_kl.covariance_mask`).
+        ``clip_cov`` select their tokens with :func:`lightning_kl.cov_select.covariance_mask`).
 
         Raises:
             ValueError: for an unknown key or value, with the valid ones.
