@@ -439,18 +439,6 @@ def _topk_call(device: torch.device, divergence: str) -> Callable[[], Any]:
     return call
 
 
-def _covariance_call(device: torch.device, loss_mode: str) -> Callable[[], Any]:
-    logprob, adv, mask = sampled_inputs((4, 16), torch.float32, device)
-    lp = logprob.detach()
-    if loss_mode == "kl_cov":
-        return lambda: lk.covariance_mask(lp, adv, mask, loss_mode="kl_cov", fraction=0.1)
-    old = (lp - 0.1 * torch.randn(lp.shape, generator=seeded(device, 1), device=device)).contiguous()
-    g = seeded(device, 2)
-    return lambda: lk.covariance_mask(lp, adv, mask, loss_mode="clip_cov", fraction=0.1, old_logprob=old, window=(-1.0, 1.0), generator=g)
-
-
-_COV = ("reads the number of valid tokens and of candidates on the host, by design (cov_select.py: "
-        "the choice's size, as verl's .item(); across processes also the gathered sizes)")
 _IDS = "the id range check reads the ids' min and max on the host (inputs.py: check_tokens)"
 _H2D = "copies a Python number or list to the device (torch.tensor / torch.as_tensor on CUDA waits for the copy)"
 
@@ -502,7 +490,6 @@ SYNC_CALLS: list[SyncCall] = [
     *(SyncCall(f"TargetEntropyController(rule={r!r}).update(tensors)", ("TargetEntropyController",), lambda d, r=r: _entropy_call(d, r)) for r in ("dual", "additive")),
     SyncCall("high_entropy_mask (one process, mask)", ("high_entropy_mask",), lambda d: _entropy_call(d, "mask")),
     *(SyncCall(f"full_kl TopK divergence={v!r} return_tails (mask, backward)", ("full_kl", "TopK"), lambda d, v=v: _topk_call(d, v)) for v in ("reverse", "forward")),
-    *(SyncCall(f"covariance_mask loss_mode={m!r} (mask)", ("covariance_mask",), lambda d, m=m: _covariance_call(d, m), syncs=_COV, kind="design") for m in ("kl_cov", "clip_cov")),
     SyncCall("hf.from_hidden (soft cap, backward)", ("hf.from_hidden",), _capped_call, syncs=_IDS + " (through token_logprobs)"),
 ]
 
