@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import torch  # noqa: F401 (the examples in the docstrings use it)
 from torch import Tensor
 
 from lightning_kl.distill.topk import TopK, topk_divergence
