@@ -15,7 +15,7 @@ from lightning_kl.compute import check_max_weight, kl_penalty_values
 from lightning_kl.controllers import KLController
 from lightning_kl.estimators import EstimatorName, parse_estimator
 from lightning_kl.ground.checks import warn_user
-from lightning_kl.ground.parallel import check_parallel_args, data_parallel_group, held_warnings
+from lightning_kl.ground.parallel import check_parallel_args, data_parallel_group, distributed, held_warnings
 from lightning_kl.ground.sampler import Sampling
 from lightning_kl.inputs import check_kl_inputs, resolve_sampling
 from lightning_kl.kernels.divergence import Divergence, check_divergence, kl_weights
@@ -26,10 +26,6 @@ from lightning_kl.sequence import Level, check_kl_to_go, check_level, check_sequ
 
 __all__ = ["KLPenaltyLoss", "controlled_kl_statistics", "live_losses"]
 
-
-def _distributed() -> bool:
-    # whether other processes may be waiting in a collective of this forward (no process group: none are)
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 def live_losses() -> list["KLPenaltyLoss"]:
     """The :class:`KLPenaltyLoss` objects alive in this process."""
@@ -322,7 +318,7 @@ class KLPenaltyLoss(ControllerState):
         # (raised as an error on one process only, it would leave the others waiting there)
         with held_warnings(True) if collective else nullcontext() as held:  # (one process: no ground floor on the way)
             # an input refused here meets the other processes in the counts' or the metric's all-reduce
-            with refused_alike(dp, self.agg, logprob, "KLPenaltyLoss", self.metric) if _distributed() else nullcontext():
+            with refused_alike(dp, self.agg, logprob, "KLPenaltyLoss", self.metric) if distributed() else nullcontext():
                 inputs = check_kl_inputs(
                     logprob, ref_logprob, self.spec, mask, old_logprob, sampled_logprob, self.level, self.sampling,
                     num_tokens, num_seqs, accumulate_grad_batches,

@@ -78,6 +78,11 @@ class DataParallelGroup:
 _SINGLE = DataParallelGroup(None, 1, "a single process")
 
 
+def distributed() -> bool:
+    """Whether a process group is initialized (other processes may be waiting in a collective)."""
+    return dist.is_available() and dist.is_initialized()
+
+
 def _is_mesh(x: object) -> bool:
     return type(x).__name__ == "DeviceMesh" and hasattr(x, "mesh_dim_names")
 
@@ -132,7 +137,7 @@ def _from_mesh(mesh: Any, source: str) -> DataParallelGroup:
 
 
 def _from_group(group: Any, source: str) -> DataParallelGroup:
-    if not (dist.is_available() and dist.is_initialized()):
+    if not distributed():
         raise RuntimeError(f"{source} was given, but torch.distributed is not initialized.")
     if dist.get_rank(group) < 0:
         raise ValueError(f"{source} does not hold this process (global rank {dist.get_rank()}).")
@@ -234,7 +239,7 @@ def agree(problem: Optional[str], group: Any = None, error: type = ValueError) -
     wait in their next collective. Outside ``torch.distributed`` (or a group of one), ``problem`` is
     raised as it is. Every process of ``group`` must call it.
     """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+    if not distributed() or dist.get_world_size(group) == 1:
         if problem is not None:
             raise error(problem)
         return
@@ -357,7 +362,7 @@ def data_parallel_group(
         return _from_mesh(device_mesh, "the `device_mesh` given")
     if strategy is not None:
         return _from_strategy(strategy)
-    if not (dist.is_available() and dist.is_initialized()):
+    if not distributed():
         return _SINGLE
     found = _discovered()
     return found if found is not None else DataParallelGroup(None, dist.get_world_size(), "the world: every process is a replica")

@@ -21,6 +21,8 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import Tensor
 
+from lightning_kl.ground.parallel import distributed
+
 __all__ = ["VocabShard", "as_vocab_shard", "is_vocab_parallel", "check_split_alike", "local_part", "replicated_local", "sampled_locals"]
 
 
@@ -124,7 +126,7 @@ def as_vocab_shard(x: object, name: str) -> VocabShard:
         raise TypeError(f"`{name}.offset` must be an int (the shard's first vocabulary id), got {offset!r}.")
     if offset < 0:
         raise ValueError(f"`{name}.offset` must be >= 0 (the shard's first vocabulary id), got {offset}.")
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+    if not distributed():
         raise ValueError(f"`{name}` is a VocabShard but torch.distributed is not initialized: a shard needs its process group.")
     # None is the default group: one object for both spellings, so that shards compare alike
     return VocabShard(local, _default_group() if group is None else group, offset)
