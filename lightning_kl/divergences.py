@@ -15,8 +15,8 @@ from torch import Tensor
 
 from lightning_kl.distill.topk import TopK, topk_divergence
 from lightning_kl.ground.sampler import Sampling
-from lightning_kl.ground.vocab_shards import VocabShard
-from lightning_kl.inputs import check_chunk_size, check_full_hidden_inputs, check_full_inputs
+from lightning_kl.ground.vocab_shards import VocabShard, is_vocab_parallel
+from lightning_kl.inputs import check_chunk_size, check_full_hidden_inputs, check_full_inputs, check_kept
 from lightning_kl.kernels.divergence import Divergence, check_divergence
 from lightning_kl.kernels.engine import REFERENCES, full_kl_kernel
 from lightning_kl.kernels.full import same_partition
@@ -35,6 +35,7 @@ def full_kl(
     divergence: Divergence = "reverse",
     beta: Optional[float] = None,
     chunk_size: Optional[int] = None,
+    kept: Any = None,
     **legacy: Any,
 ) -> Tensor:
     r"""Exact per-token :math:`\mathrm{KL}(\tilde\pi \,\|\, \pi_{\mathrm{ref}})` over the vocabulary, or another divergence.
@@ -135,12 +136,21 @@ def full_kl(
         tensor([0.3278, 0.0000])
     """
     if isinstance(ref_x, TopK):  # a teacher's top-k log-probs: the divergence coarsened onto its ids and a tail
+        if kept is not None:
+            raise ValueError(
+                "`kept` (replay) is not taken with an lk.TopK teacher: the top-k divergence scores the student's processed "
+                "log-probs at the teacher's ids with the sampler's own kept set. Pass the teacher's whole logits (or "
+                "lk.FromHidden) to replay the recorded sets, or drop `kept`."
+            )
         return topk_divergence(
             x, ref_x, mask, sampling=sampling, reference=reference, divergence=divergence, beta=beta, chunk_size=chunk_size, **legacy
         )
     proc = sampler_of(sampling, legacy, "full_kl")
     if reference not in REFERENCES:
         raise ValueError(f"`reference` must be one of {REFERENCES}, got {reference!r}.")
+    # replay: the record replaces the policy's truncation; the reference is processed by the sampler only under "processed"
+    own = proc if kept is None else Sampling(proc.temperature)
+    ref_proc = proc if kept is None or reference == "processed" else own
     divergence, beta = check_divergence(divergence, beta)
     check_chunk_size(chunk_size)
     hidden = isinstance(x, FromHidden), isinstance(ref_x, FromHidden)
@@ -150,6 +160,16 @@ def full_kl(
         mask = check_full_hidden_inputs(x.hidden, x.weight, x.bias, ref_x.hidden, ref_x.weight, ref_x.bias, mask)
     else:
         mask = check_full_inputs(x, ref_x, mask)
-    (src, part, _), (ref, ref_part, _) = source_of(x, "x" if hidden[0] else "logits", proc), source_of(ref_x, "ref_x" if hidden[0] else "ref_logits", proc)
+    if kept is not None and ref_proc.truncates and (isinstance(x.weight, VocabShard) if hidden[0] else is_vocab_parallel(x)):
+        raise ValueError(
+            f"reference='processed' with `kept` (replay) processes the reference's own logits by {proc!r}, which needs whole "
+            "rows: not on a vocabulary split over processes. Valid there with `kept`: reference='unprocessed' or "
+            "'policy_kept' (the reference renormalized on the recorded set)."
+        )
+    (src, part, _), (ref, ref_part, _) = source_of(x, "x" if hidden[0] else "logits", own), source_of(ref_x, "ref_x" if hidden[0] else "ref_logits", ref_proc)
     part = same_partition(part, "weight" if hidden[0] else "logits", ref_part, "ref_weight" if hidden[0] else "ref_logits")
-    return full_kl_kernel(src, ref, None if mask is None else ~mask.reshape(-1), proc, reference, part, chunk_size, divergence, beta)
+    if kept is not None:
+        kept = check_kept(kept, x, mask, proc.temperature)
+    return full_kl_kernel(
+        src, ref, None if mask is None else ~mask.reshape(-1), proc, reference, part, chunk_size, divergence, beta, replay=kept
+    )
