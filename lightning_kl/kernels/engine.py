@@ -1191,10 +1191,12 @@ class _FullKL(torch.autograd.Function):
                     parts[k, _KL] = cross + (parts[k, _CQ] - parts[k, _CP])
                 elif div.weights is not None:  # the same for each KL taken: each part's own, merged below
                     s1, s2 = _kl_terms(torch.sub(ep, eq, out=eq), u, v, div)
+                    # a part where one side has no mass (a recorded set outside a tile or a shard) keeps its +inf term:
+                    # that side's log-sum shifts nothing there (the part's weight carries it when merged)
                     if s1 is not None:
-                        parts[k, _KL] = s1.div_(sp) + (parts[k, _CQ] - parts[k, _CP])
+                        parts[k, _KL] = s1.div_(sp) + (_finite(parts[k, _CQ]) - parts[k, _CP])
                     if s2 is not None:
-                        parts[k, _KL2] = s2.div_(sq) + (parts[k, _CP] - parts[k, _CQ])
+                        parts[k, _KL2] = s2.div_(sq) + (_finite(parts[k, _CP]) - parts[k, _CQ])
                 elif not again:  # the JSD of whole rows (a sampler's): normalized here
                     s1, s2 = _row_terms(ep.sub_(parts[k, _CP].unsqueeze(1)), eq.sub_(parts[k, _CQ].unsqueeze(1)), div, state)
                     parts[k, _KL], parts[k, _KL2] = s1, s2  # NaN inputs reach the row below, through c_p and c_q
