@@ -106,6 +106,31 @@ def full_kl(
         divergence: one of :data:`~lightning_kl.kernels.divergence.DIVERGENCES` (above).
         beta: ``"jsd"`` and ``"mixed"`` only: a number in [0, 1], default 0.5.
         chunk_size: rows per chunk.
+        kept: replay: the policy's recorded kept sets (above); None: the sampler's own kept sets.
+
+    **Replay** (``kept=``): the rollout's recorded kept sets (``return_kept=True`` at rollout time, or an
+    inference engine's record: :class:`~lightning_kl.ground.kept.KeptSets`, or the pair ``(ids, offsets)``
+    shaped like ``mask``). :math:`\tilde p` is then ``softmax(z / T)`` renormalized on each position's
+    recorded set :math:`K`, not on the kept set the sampler would choose from the current logits (which
+    moves off-policy: PPO epochs > 1, stale rollouts); ties at its boundary follow the record. The
+    reference, with a replayed set:
+
+    * ``"unprocessed"``: ``softmax(z_ref / T)``, as without a record.
+    * ``"policy_kept"``: the reference renormalized on the recorded :math:`K` (the two models compared
+      among the tokens the rollout's sampler could draw).
+    * ``"processed"``: the reference processed by ``sampling``'s rule on its own logits, its kept set
+      recomputed (a frozen reference's set does not move between epochs); ``+inf`` where the record holds a
+      token it removes. It needs whole rows: refused with ``kept=`` on a split vocabulary.
+
+    On-policy (the record is the policy's own kept sets) value and gradients are those without ``kept=``,
+    bit for bit (the same ops on the same numbers); from two heads whose vocabulary spans several tiles,
+    the record is read tile by tile (the processing reads whole rows): the same value to float rounding.
+    Off-policy the gradients are the formulas above with :math:`K` the recorded set (a selection), finite
+    wherever the value is; the reverse KL against ``"unprocessed"`` or ``"policy_kept"``, the JSD with
+    ``0 < beta < 1`` and every divergence on ``"policy_kept"`` are finite. Logits, :class:`FromHidden`,
+    a head's tiles and vocabulary shards (there a ``KeptSets``, the same on every rank). Every valid
+    position needs a non-empty set (named otherwise); a record of other positions, vocabulary, device or
+    temperature is refused, and so is ``kept=`` with an :class:`~lightning_kl.TopK` teacher.
 
     ``ref_x`` may be a teacher's top-k log-probs, :class:`~lightning_kl.TopK`: the divergence between both
     models coarsened onto its ids and a tail (:func:`lightning_kl.distill.topk.topk_divergence`, which takes
@@ -119,7 +144,7 @@ def full_kl(
     Raises:
         TypeError: for inputs that are not floating point tensors, a mix of forms (named).
         ValueError: for shapes or devices that do not match (named), a bad reference, divergence, beta,
-            sampler or chunk size (the valid values named); in backward, for a ``+inf`` value with a gradient.
+            sampler, chunk size or record (``kept``) (named); in backward, for a ``+inf`` value with a gradient.
 
     Example:
         >>> z = torch.tensor([[0.0, 0.0], [2.0, -1.0]], requires_grad=True)

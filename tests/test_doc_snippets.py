@@ -99,6 +99,8 @@ def run_sampling_replay(code: str, mp: Any) -> None:
     """docs/sampling.md's replay: the ratio is exactly 1 on-policy, and the loss has a gradient."""
     ns = run_fragment(code)
     assert torch.equal(ns["ratio"], torch.ones_like(ns["ratio"]))
+    on_policy = lk.full_kl(ns["logits"], ns["ref_logits"], ns["mask"], sampling=ns["sampling"])
+    assert torch.equal(ns["exact_kl"], on_policy)  # the record is the policy's own: today's value
     ns["kl_loss"].backward()
     assert ns["logits"].grad.isfinite().all()
 

@@ -21,7 +21,6 @@ from torch.testing import assert_close
 
 import lightning_kl as lk
 from lightning_kl.ground.kept import KeptSets
-from lightning_kl.ground.sampler import process_scores
 from lightning_kl.logprobs import REFERENCES
 
 from test_divergence_engine import CASES, HEAD, dense_divergence  # noqa: E402
