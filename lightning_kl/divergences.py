@@ -130,7 +130,8 @@ def full_kl(
     ``0 < beta < 1`` and every divergence on ``"policy_kept"`` are finite. Logits, :class:`FromHidden`,
     a head's tiles and vocabulary shards (there a ``KeptSets``, the same on every rank). Every valid
     position needs a non-empty set (named otherwise); a record of other positions, vocabulary, device or
-    temperature is refused, and so is ``kept=`` with an :class:`~lightning_kl.TopK` teacher.
+    temperature is refused. With an :class:`~lightning_kl.TopK` teacher (below) the student's cells are its
+    log-probs on the recorded sets (``reference="unprocessed"``).
 
     ``ref_x`` may be a teacher's top-k log-probs, :class:`~lightning_kl.TopK`: the divergence between both
     models coarsened onto its ids and a tail (:func:`lightning_kl.distill.topk.topk_divergence`, which takes
@@ -161,14 +162,9 @@ def full_kl(
         tensor([0.3278, 0.0000])
     """
     if isinstance(ref_x, TopK):  # a teacher's top-k log-probs: the divergence coarsened onto its ids and a tail
-        if kept is not None:
-            raise ValueError(
-                "`kept` (replay) is not taken with an lk.TopK teacher: the top-k divergence scores the student's processed "
-                "log-probs at the teacher's ids with the sampler's own kept set. Pass the teacher's whole logits (or "
-                "lk.FromHidden) to replay the recorded sets, or drop `kept`."
-            )
         return topk_divergence(
-            x, ref_x, mask, sampling=sampling, reference=reference, divergence=divergence, beta=beta, chunk_size=chunk_size, **legacy
+            x, ref_x, mask, sampling=sampling, reference=reference, divergence=divergence, beta=beta, chunk_size=chunk_size,
+            kept=kept, **legacy
         )
     proc = sampler_of(sampling, legacy, "full_kl")
     if reference not in REFERENCES:

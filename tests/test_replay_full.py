@@ -243,6 +243,38 @@ def test_ties_at_the_boundary_follow_the_recorded_set_not_a_recomputed_one():
 
 
 # ---------------------------------------------------------------------------------------------
+# a served teacher's top-k (lk.TopK): the student's cells on the recorded sets
+
+
+@pytest.mark.parametrize("name,beta", [("reverse", None), ("forward", None), ("jsd", 0.3)])
+def test_a_topk_teacher_scores_the_student_on_the_recorded_sets(name, beta):
+    s = lk.Sampling(0.8, top_p=0.75)
+    x = _leaves(12, F64)
+    y = rollout(x["z"], s, seed=13)
+    _, kept = lk.token_logprobs(x["z"], y, sampling=s, return_kept=True)
+    ids = torch.topk(x["zr"], 4, dim=-1).indices
+    topk = lk.TopK(ids, torch.log_softmax(x["zr"], -1).gather(-1, ids))
+    kw = dict(divergence=name, beta=beta)
+    # on-policy: the sampler's own sets, the same bits
+    a, b = x["z"].clone().requires_grad_(), x["z"].clone().requires_grad_()
+    want, got = lk.full_kl(a, topk, sampling=s, **kw), lk.full_kl(b, topk, sampling=s, kept=kept, **kw)
+    assert torch.equal(got, want)
+    fin = want.isfinite()
+    (want.where(fin, 0).sum()).backward(), (got.where(fin, 0).sum()).backward()
+    assert torch.equal(a.grad, b.grad)
+    # off-policy: the student's softmax on the recorded sets, as its logits with -inf off them (no truncation)
+    new = x["z"] + torch.randn(x["z"].shape, generator=torch.Generator().manual_seed(14), dtype=F64)
+    c, e = new.clone().requires_grad_(), new.clone().requires_grad_()
+    got = lk.full_kl(c, topk, sampling=s, kept=kept, **kw)
+    want = lk.full_kl(e.masked_fill(~kept.to_mask(), NINF), topk, sampling=lk.Sampling(0.8), **kw)
+    fin = want.isfinite()
+    assert torch.equal(fin, got.isfinite())
+    assert_close(got[fin], want[fin], rtol=1e-12, atol=1e-13)
+    (got.where(fin, 0).sum()).backward(), (want.where(fin, 0).sum()).backward()
+    assert_close(c.grad, e.grad, rtol=1e-10, atol=1e-13)
+
+
+# ---------------------------------------------------------------------------------------------
 # what is refused, at call time, named
 
 
@@ -266,8 +298,8 @@ def test_refusals_name_the_record_and_the_combination():
     with pytest.raises(TypeError, match="`kept` must be the kept sets returned with return_kept=True"):
         lk.full_kl(x["z"], x["zr"], sampling=s, kept=keep)
     topk = lk.TopK(torch.zeros(B, L, 2, dtype=torch.long) + torch.tensor([0, 1]), torch.full((B, L, 2), -1.0))
-    with pytest.raises(ValueError, match="`kept` \\(replay\\) is not taken with an lk.TopK teacher"):
-        lk.full_kl(x["z"], topk, sampling=s, kept=kept)
+    with pytest.raises(ValueError, match="reference='policy_kept' with a truncating sampler \\(or a replayed kept set\\)"):
+        lk.full_kl(x["z"], topk, sampling=lk.Sampling(0.7), kept=KeptSets(kept.ids, kept.offsets, kept.shape, V), reference="policy_kept")
     with pytest.raises(ValueError, match="applies to estimator='full'"):
         lk.KLPenaltyLoss("k3")(torch.full((B, L), -1.0), torch.full((B, L), -1.0), mask, kept=kept)
     assert lk.KLPenaltyLoss("full", sampling=s, divergence="jsd", beta=0.3)(x["z"], x["zr"], mask, kept=kept).isfinite()
