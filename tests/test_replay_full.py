@@ -421,3 +421,34 @@ def test_a_trainer_feeds_the_record_from_the_batch_as_a_plain_loop_does(tmp_path
     # the policy moved: a sampled token left its current kept set, where today's scorer raises
     left = [lk.token_logprobs(lk.FromHidden(b["hidden"], head.weight.detach()), b["tokens"], sampling=s, outside="-inf") == NINF for b in batches]
     assert torch.stack(left).any()
+
+
+# ---------------------------------------------------------------------------------------------
+# replay reads nothing on the host (as on a GPU): the same values and gradients as the host form
+
+
+def test_full_kl_and_the_loss_replay_without_a_host_read(monkeypatch):
+    from test_no_host_sync import device_form
+
+    s = lk.Sampling(0.8, top_p=0.8)
+    new, y, kept, mask = _moved(16, s)
+    loss = lk.KLPenaltyLoss("full", coef=1.0, sampling=s)
+    kw = dict(sampling=s, reference="policy_kept", divergence="jsd", beta=0.3, kept=kept, chunk_size=4)
+    a, b, c, d = (new["z"].clone().requires_grad_() for _ in range(4))
+    want = lk.full_kl(a, new["zr"], mask, **kw)
+    want.sum().backward()
+    want_loss = loss(c, new["zr"], mask, kept=kept)
+    want_loss.backward()
+    keep = kept.to_mask()
+    keep[0, 0] = False
+    empty = KeptSets.from_mask(keep)
+    empty = KeptSets(empty.ids, empty.offsets, (B, L), V, 0.8)  # (a record is validated on the host once, when built)
+    with device_form(monkeypatch):
+        got = lk.full_kl(b, new["zr"], mask, **kw)
+        got.sum().backward()
+        got_loss = loss(d, new["zr"], mask, kept=kept)
+        got_loss.backward()
+        with pytest.raises(RuntimeError, match="every valid position needs a non-empty recorded kept set"):
+            lk.full_kl(new["z"], new["zr"], mask, sampling=s, kept=empty)
+    assert torch.equal(got, want) and torch.equal(b.grad, a.grad)
+    assert torch.equal(got_loss, want_loss) and torch.equal(d.grad, c.grad)
