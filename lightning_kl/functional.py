@@ -144,7 +144,8 @@ def kl_penalty(
     sampling = resolve_sampling(sampling, temperature, spec.name, "kl_penalty")
     checked = sampling if kept is None else Sampling(sampling.temperature)  # a record replaces the truncation
     inputs = check_kl_inputs(logprob, ref_logprob, spec, mask, old_logprob, sampled_logprob, level, checked)
-    kept = check_loss_kept(kept, inputs, spec, False, sampling.temperature)
+    if kept is not None:
+        kept = check_loss_kept(kept, inputs, spec, False, sampling.temperature)
     kl = kl_penalty_values(inputs, spec, max_weight, level, kl_to_go, sampling, kept=kept)
     return kl.to(_out_dtype(inputs))
 

@@ -338,8 +338,9 @@ class KLPenaltyLoss(ControllerState):
                     logprob, ref_logprob, self.spec, mask, old_logprob, sampled_logprob, self.level,
                     self.sampling if kept is None else Sampling(self.sampling.temperature), num_tokens, num_seqs, accumulate_grad_batches,
                 )
-                forward_kl = (kl_weights(self.divergence, self.beta) or (0.0,))[0] > 0
-                kept = check_loss_kept(kept, inputs, self.spec, forward_kl, self.sampling.temperature)
+                if kept is not None:  # replay: checked beside the other inputs, alike on every process
+                    forward_kl = (kl_weights(self.divergence, self.beta) or (0.0,))[0] > 0
+                    kept = check_loss_kept(kept, inputs, self.spec, forward_kl, self.sampling.temperature)
             kl = kl_penalty_values(
                 inputs, self.spec, self.max_weight, self.level, self.kl_to_go, self.sampling, (self.divergence, self.beta), kept
             )
