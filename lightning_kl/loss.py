@@ -94,6 +94,7 @@ class KLPenaltyLoss(ControllerState):
             log-probs carry the sampler already, and **both models' log-probs must then come from the
             same** ``Sampling`` (``lk.token_logprobs(..., sampling=sampling)``): a reference scored at
             ``T = 1`` against a policy at ``T = 0.7`` cannot be seen in log-probs, and biases the KL.
+            Rollouts reused under truncation: forward's ``kept=`` replays the kept sets the sampler used.
         level: ``"token"`` (default) or ``"sequence"``: the KL of whole responses along the last
             dimension. Same values on-policy (per-decision weights ``rho_{1:t}`` off-policy), plus
             the KL-to-go gradient term ``grad log pi_t * sum_{s > t} d_s`` for every valid token,
