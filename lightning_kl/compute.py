@@ -17,6 +17,7 @@ from torch import Tensor
 
 from lightning_kl.estimators import K3_CLAMP, EstimatorSpec, estimator_value, parse_estimator
 from lightning_kl.ground.checks import compute_dtype
+from lightning_kl.ground.kept import KeptSets
 from lightning_kl.ground.sampler import Sampling
 from lightning_kl.inputs import KLInputs
 from lightning_kl.kernels import fused
@@ -48,7 +49,8 @@ def check_max_weight(max_weight: object) -> Optional[float]:
 
 
 def full_kl_values(
-    x: Any, ref_x: Any, mask: Optional[Tensor], sampling: Sampling, divergence: tuple[str, Optional[float]] = ("reverse", None)
+    x: Any, ref_x: Any, mask: Optional[Tensor], sampling: Sampling, divergence: tuple[str, Optional[float]] = ("reverse", None),
+    kept: Optional[KeptSets] = None,
 ) -> Tensor:
     r"""The exact per-position KL of checked inputs: the one place where ``"full"`` reaches the kernels.
 
@@ -58,13 +60,17 @@ def full_kl_values(
     ``x`` and ``ref_x``: logits (a tensor, a vocabulary-split DTensor or an ``lk.VocabShard``) or one
     :class:`~lightning_kl.FromHidden` each; ``mask`` bool or None.
     A truncating sampler on a vocabulary split was refused by the checks (:mod:`lightning_kl.inputs`).
+    ``kept``: the policy's recorded kept sets, checked (:func:`~lightning_kl.inputs.check_kept`): replayed in
+    place of the sampler's truncation (``sampling`` then gives the temperature).
     """
+    if kept is not None:
+        sampling = Sampling(sampling.temperature)
     if isinstance(x, FromHidden):
         return full_kl_from_hidden_compute(
             x.hidden, x.weight, x.bias, ref_x.hidden, ref_x.weight, ref_x.bias, mask, sampling,
-            head=Head(x.logit_scale, x.softcap), ref_head=Head(ref_x.logit_scale, ref_x.softcap), divergence=divergence,
+            head=Head(x.logit_scale, x.softcap), ref_head=Head(ref_x.logit_scale, ref_x.softcap), divergence=divergence, replay=kept,
         )
-    return full_kl_compute(x, ref_x, mask, sampling, divergence=divergence)
+    return full_kl_compute(x, ref_x, mask, sampling, divergence=divergence, replay=kept)
 
 
 def kl_penalty_values(
@@ -75,12 +81,14 @@ def kl_penalty_values(
     kl_to_go: str = "k1",
     sampling: Optional[Sampling] = None,
     divergence: tuple[str, Optional[float]] = ("reverse", None),
+    kept: Optional[KeptSets] = None,
 ) -> Tensor:
     """Per-token values of checked inputs (:func:`~lightning_kl.inputs.check_kl_inputs`), in the compute dtype:
     the compute step of :func:`~lightning_kl.kl_penalty` and :class:`~lightning_kl.KLPenaltyLoss` alike
-    (``divergence``: a checked ``(divergence, beta)`` for ``"full"``, at ``level="token"``)."""
+    (``divergence``: a checked ``(divergence, beta)`` for ``"full"``, at ``level="token"``; ``kept``: the
+    policy's recorded kept sets for ``"full"``, checked by :func:`~lightning_kl.inputs.check_kept`)."""
     if spec.base == "full":
-        kl = full_kl_values(inputs.logprob, inputs.ref_logprob, inputs.mask, _NEUTRAL if sampling is None else sampling, divergence)
+        kl = full_kl_values(inputs.logprob, inputs.ref_logprob, inputs.mask, _NEUTRAL if sampling is None else sampling, divergence, kept)
         if inputs.sampled_logprob is not None:
             kl = full_with_kl_to_go(kl, inputs.sampled_logprob, inputs.mask)
         return kl

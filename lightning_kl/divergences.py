@@ -15,8 +15,8 @@ from torch import Tensor
 
 from lightning_kl.distill.topk import TopK, topk_divergence
 from lightning_kl.ground.sampler import Sampling
-from lightning_kl.ground.vocab_shards import VocabShard
-from lightning_kl.inputs import check_chunk_size, check_full_hidden_inputs, check_full_inputs
+from lightning_kl.ground.vocab_shards import VocabShard, is_vocab_parallel
+from lightning_kl.inputs import check_chunk_size, check_full_hidden_inputs, check_full_inputs, check_kept
 from lightning_kl.kernels.divergence import Divergence, check_divergence
 from lightning_kl.kernels.engine import REFERENCES, full_kl_kernel
 from lightning_kl.kernels.full import same_partition
@@ -35,6 +35,7 @@ def full_kl(
     divergence: Divergence = "reverse",
     beta: Optional[float] = None,
     chunk_size: Optional[int] = None,
+    kept: Any = None,
     **legacy: Any,
 ) -> Tensor:
     r"""Exact per-token :math:`\mathrm{KL}(\tilde\pi \,\|\, \pi_{\mathrm{ref}})` over the vocabulary, or another divergence.
@@ -105,6 +106,32 @@ def full_kl(
         divergence: one of :data:`~lightning_kl.kernels.divergence.DIVERGENCES` (above).
         beta: ``"jsd"`` and ``"mixed"`` only: a number in [0, 1], default 0.5.
         chunk_size: rows per chunk.
+        kept: replay: the policy's recorded kept sets (above); None: the sampler's own kept sets.
+
+    **Replay** (``kept=``): the rollout's recorded kept sets (``return_kept=True`` at rollout time, or an
+    inference engine's record: :class:`~lightning_kl.ground.kept.KeptSets`, or the pair ``(ids, offsets)``
+    shaped like ``mask``). :math:`\tilde p` is then ``softmax(z / T)`` renormalized on each position's
+    recorded set :math:`K`, not on the kept set the sampler would choose from the current logits (which
+    moves off-policy: PPO epochs > 1, stale rollouts); ties at its boundary follow the record. The
+    reference, with a replayed set:
+
+    * ``"unprocessed"``: ``softmax(z_ref / T)``, as without a record.
+    * ``"policy_kept"``: the reference renormalized on the recorded :math:`K` (the two models compared
+      among the tokens the rollout's sampler could draw).
+    * ``"processed"``: the reference processed by ``sampling``'s rule on its own logits, its kept set
+      recomputed (a frozen reference's set does not move between epochs); ``+inf`` where the record holds a
+      token it removes. It needs whole rows: refused with ``kept=`` on a split vocabulary.
+
+    On-policy (the record is the policy's own kept sets) value and gradients are those without ``kept=``,
+    bit for bit (the same ops on the same numbers); from two heads whose vocabulary spans several tiles,
+    the record is read tile by tile (the processing reads whole rows): the same value to float rounding.
+    Off-policy the gradients are the formulas above with :math:`K` the recorded set (a selection), finite
+    wherever the value is; the reverse KL against ``"unprocessed"`` or ``"policy_kept"``, the JSD with
+    ``0 < beta < 1`` and every divergence on ``"policy_kept"`` are finite. Logits, :class:`FromHidden`,
+    a head's tiles and vocabulary shards (there a ``KeptSets``, the same on every rank). Every valid
+    position needs a non-empty set (named otherwise); a record of other positions, vocabulary, device or
+    temperature is refused. With an :class:`~lightning_kl.TopK` teacher (below) the student's cells are its
+    log-probs on the recorded sets (``reference="unprocessed"``).
 
     ``ref_x`` may be a teacher's top-k log-probs, :class:`~lightning_kl.TopK`: the divergence between both
     models coarsened onto its ids and a tail (:func:`lightning_kl.distill.topk.topk_divergence`, which takes
@@ -118,7 +145,7 @@ def full_kl(
     Raises:
         TypeError: for inputs that are not floating point tensors, a mix of forms (named).
         ValueError: for shapes or devices that do not match (named), a bad reference, divergence, beta,
-            sampler or chunk size (the valid values named); in backward, for a ``+inf`` value with a gradient.
+            sampler, chunk size or record (``kept``) (named); in backward, for a ``+inf`` value with a gradient.
 
     Example:
         >>> z = torch.tensor([[0.0, 0.0], [2.0, -1.0]], requires_grad=True)
@@ -136,11 +163,15 @@ def full_kl(
     """
     if isinstance(ref_x, TopK):  # a teacher's top-k log-probs: the divergence coarsened onto its ids and a tail
         return topk_divergence(
-            x, ref_x, mask, sampling=sampling, reference=reference, divergence=divergence, beta=beta, chunk_size=chunk_size, **legacy
+            x, ref_x, mask, sampling=sampling, reference=reference, divergence=divergence, beta=beta, chunk_size=chunk_size,
+            kept=kept, **legacy
         )
     proc = sampler_of(sampling, legacy, "full_kl")
     if reference not in REFERENCES:
         raise ValueError(f"`reference` must be one of {REFERENCES}, got {reference!r}.")
+    # replay: the record replaces the policy's truncation; the reference is processed by the sampler only under "processed"
+    own = proc if kept is None else Sampling(proc.temperature)
+    ref_proc = proc if kept is None or reference == "processed" else own
     divergence, beta = check_divergence(divergence, beta)
     check_chunk_size(chunk_size)
     hidden = isinstance(x, FromHidden), isinstance(ref_x, FromHidden)
@@ -150,6 +181,16 @@ def full_kl(
         mask = check_full_hidden_inputs(x.hidden, x.weight, x.bias, ref_x.hidden, ref_x.weight, ref_x.bias, mask)
     else:
         mask = check_full_inputs(x, ref_x, mask)
-    (src, part, _), (ref, ref_part, _) = source_of(x, "x" if hidden[0] else "logits", proc), source_of(ref_x, "ref_x" if hidden[0] else "ref_logits", proc)
+    if kept is not None and ref_proc.truncates and (isinstance(x.weight, VocabShard) if hidden[0] else is_vocab_parallel(x)):
+        raise ValueError(
+            f"reference='processed' with `kept` (replay) processes the reference's own logits by {proc!r}, which needs whole "
+            "rows: not on a vocabulary split over processes. Valid there with `kept`: reference='unprocessed' or "
+            "'policy_kept' (the reference renormalized on the recorded set)."
+        )
+    (src, part, _), (ref, ref_part, _) = source_of(x, "x" if hidden[0] else "logits", own), source_of(ref_x, "ref_x" if hidden[0] else "ref_logits", ref_proc)
     part = same_partition(part, "weight" if hidden[0] else "logits", ref_part, "ref_weight" if hidden[0] else "ref_logits")
-    return full_kl_kernel(src, ref, None if mask is None else ~mask.reshape(-1), proc, reference, part, chunk_size, divergence, beta)
+    if kept is not None:
+        kept = check_kept(kept, x, mask, proc.temperature)
+    return full_kl_kernel(
+        src, ref, None if mask is None else ~mask.reshape(-1), proc, reference, part, chunk_size, divergence, beta, replay=kept
+    )

@@ -16,7 +16,7 @@ gradient.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -25,7 +25,7 @@ from lightning_kl.compute import check_max_weight, importance_weight, kl_penalty
 from lightning_kl.estimators import EstimatorSpec, parse_estimator
 from lightning_kl.ground.checks import DEFAULT_LOGPROB_SLACK, LOGPROB_SLACK
 from lightning_kl.ground.sampler import Sampling
-from lightning_kl.inputs import KLInputs, check_aggregate_args, check_kl_inputs, resolve_sampling
+from lightning_kl.inputs import KLInputs, check_aggregate_args, check_kl_inputs, check_loss_kept, resolve_sampling
 from lightning_kl.logprobs import FromHidden
 from lightning_kl.reduce import AGG_MODES, AggMode, aggregate_checked, aggregate_counts_checked, check_agg_mode
 from lightning_kl.sequence import check_kl_to_go, check_level
@@ -56,6 +56,7 @@ def kl_penalty(
     sampled_logprob: Optional[Tensor] = None,
     kl_to_go: str = "k1",
     sampling: Optional[Sampling] = None,
+    kept: Any = None,
 ) -> Tensor:
     r"""Per-token estimate of :math:`\mathrm{KL}(\pi \,\|\, \pi_{\mathrm{ref}})` for sampled tokens.
 
@@ -111,6 +112,9 @@ def kl_penalty(
         kl_to_go: sampled estimators at ``level="sequence"``: ``"k1"`` (default), the KL-to-go as the
             sum of the later log-ratios ``d_s``, or ``"k3"``, the sum of their ``k3`` values: the same
             expectation (exact) with less noise. See :data:`lightning_kl.sequence.KL_TO_GO`.
+        kept: ``full`` only: replay, the rollout's recorded kept sets (``return_kept=True``): the policy
+            renormalized on them instead of its own kept set now, as :class:`~lightning_kl.KLPenaltyLoss`'s
+            ``kept`` (there: what is refused).
 
     Returns:
         The per-token estimate, same shape as the inputs, in their (promoted) dtype. Half precision
@@ -138,8 +142,11 @@ def kl_penalty(
     level = check_level(level)
     kl_to_go = check_kl_to_go(kl_to_go, level, spec.base == "full")
     sampling = resolve_sampling(sampling, temperature, spec.name, "kl_penalty")
-    inputs = check_kl_inputs(logprob, ref_logprob, spec, mask, old_logprob, sampled_logprob, level, sampling)
-    kl = kl_penalty_values(inputs, spec, max_weight, level, kl_to_go, sampling)
+    checked = sampling if kept is None else Sampling(sampling.temperature)  # a record replaces the truncation
+    inputs = check_kl_inputs(logprob, ref_logprob, spec, mask, old_logprob, sampled_logprob, level, checked)
+    if kept is not None:
+        kept = check_loss_kept(kept, inputs, spec, False, sampling.temperature)
+    kl = kl_penalty_values(inputs, spec, max_weight, level, kl_to_go, sampling, kept=kept)
     return kl.to(_out_dtype(inputs))
 
 

@@ -17,7 +17,7 @@ from lightning_kl.estimators import EstimatorName, parse_estimator
 from lightning_kl.ground.checks import warn_user
 from lightning_kl.ground.parallel import check_parallel_args, data_parallel_group, distributed, held_warnings
 from lightning_kl.ground.sampler import Sampling
-from lightning_kl.inputs import check_kl_inputs, resolve_sampling
+from lightning_kl.inputs import check_kl_inputs, check_loss_kept, resolve_sampling
 from lightning_kl.kernels.divergence import Divergence, check_divergence, kl_weights
 from lightning_kl.logprobs import FromHidden
 from lightning_kl.metric import KLMetric
@@ -90,6 +90,7 @@ class KLPenaltyLoss(ControllerState):
             log-probs carry the sampler already, and **both models' log-probs must then come from the
             same** ``Sampling`` (``lk.token_logprobs(..., sampling=sampling)``): a reference scored at
             ``T = 1`` against a policy at ``T = 0.7`` cannot be seen in log-probs, and biases the KL.
+            Rollouts reused under truncation: forward's ``kept=`` replays the kept sets the sampler used.
         level: ``"token"`` (default) or ``"sequence"``: the KL of whole responses along the last
             dimension. Same values on-policy (per-decision weights ``rho_{1:t}`` off-policy), plus
             the KL-to-go gradient term ``grad log pi_t * sum_{s > t} d_s`` for every valid token,
@@ -284,6 +285,7 @@ class KLPenaltyLoss(ControllerState):
         num_seqs: Optional[Tensor | float] = None,
         accumulate_grad_batches: Optional[int] = None,
         sampled_logprob: Optional[Tensor] = None,
+        kept: Any = None,
     ) -> Tensor:
         """The scalar KL loss; ``old_logprob`` (the sampling policy's) importance weights it.
 
@@ -291,6 +293,15 @@ class KLPenaltyLoss(ControllerState):
         :class:`~lightning_kl.FromHidden` each (hidden states and LM head); ``mask`` is ``[...]``;
         at ``level="sequence"`` it also needs ``sampled_logprob`` ``[...]``, the policy's
         (differentiable) log-probs of the sampled tokens (see :mod:`lightning_kl.sequence`).
+
+        ``kept`` (``full`` only): replay, the kept sets the rollout's sampler drew from, recorded with
+        ``return_kept=True`` (:class:`~lightning_kl.ground.kept.KeptSets` of the ``[...]`` positions, or an
+        engine's ``(ids, offsets)``), a per-batch tensor like the mask: the policy is ``softmax(logits / T)``
+        renormalized on each position's recorded set instead of its own kept set now (PPO epochs > 1, stale
+        rollouts), against the unprocessed reference, as ``lk.full_kl(..., kept=kept)``. On-policy the same
+        value and gradient as without it. Refused with a sampled estimator (replay their log-probs with
+        ``lk.token_logprobs(..., kept=)``), with a divergence that holds the forward KL, for a record of
+        other positions, vocabulary, device or temperature, and for an empty set at a valid position.
 
         Gradient accumulation (``Trainer(accumulate_grad_batches=k)``): give the optimizer step's
         totals over its ``k`` micro-batches, ``num_tokens`` (valid tokens) and ``num_seqs``
@@ -319,12 +330,16 @@ class KLPenaltyLoss(ControllerState):
         with held_warnings(True) if collective else nullcontext() as held:  # (one process: no ground floor on the way)
             # an input refused here meets the other processes in the counts' or the metric's all-reduce
             with refused_alike(dp, self.agg, logprob, "KLPenaltyLoss", self.metric) if distributed() else nullcontext():
+                # a record replaces the sampler's truncation (allowed on a split vocabulary then)
                 inputs = check_kl_inputs(
-                    logprob, ref_logprob, self.spec, mask, old_logprob, sampled_logprob, self.level, self.sampling,
-                    num_tokens, num_seqs, accumulate_grad_batches,
+                    logprob, ref_logprob, self.spec, mask, old_logprob, sampled_logprob, self.level,
+                    self.sampling if kept is None else Sampling(self.sampling.temperature), num_tokens, num_seqs, accumulate_grad_batches,
                 )
+                if kept is not None:  # replay: checked beside the other inputs, alike on every process
+                    forward_kl = (kl_weights(self.divergence, self.beta) or (0.0,))[0] > 0
+                    kept = check_loss_kept(kept, inputs, self.spec, forward_kl, self.sampling.temperature)
             kl = kl_penalty_values(
-                inputs, self.spec, self.max_weight, self.level, self.kl_to_go, self.sampling, (self.divergence, self.beta)
+                inputs, self.spec, self.max_weight, self.level, self.kl_to_go, self.sampling, (self.divergence, self.beta), kept
             )
             k = self._accumulation(inputs)
             given = (inputs.num_tokens, inputs.num_seqs)

@@ -3,7 +3,8 @@
 ``python tests/_replay_shard_worker.py OUT_DIR`` spawns 2 processes (a file store in OUT_DIR: no port);
 each builds the same float64 logits, records the kept sets of a top-p rollout on the whole logits, moves
 the policy, and replays the record on its shard of the new logits (``lk.VocabShard``: splits 6 + 5,
-3 + 8 and 11 + 0) and of a column-parallel head; it writes ``OUT_DIR/rank{r}.json``:
+3 + 8 and 11 + 0) and of a column-parallel head, for the token log-probs, the entropy and the exact divergences
+(``lk.full_kl(..., kept=)``, ``KLPenaltyLoss("full")(..., kept=)``); it writes ``OUT_DIR/rank{r}.json``:
 ``{"rank", "errors": {check: max abs error against one process}, "raised": {check: message}}``.
 """
 
@@ -75,6 +76,45 @@ def run_checks(rank: int, errors: dict[str, float], raised: dict[str, str]) -> N
     _err(errors, "head_logprobs", lp, ref)
     _err(errors, "head_grad_hidden", mine[0].grad, leaves[0].grad)
     _err(errors, "head_grad_weight", mine[1].grad, leaves[1].grad[start:stop])
+    # the exact divergences on the replayed sets (full_kl's engine): each split's values and both sides' gradients
+    ref_new = torch.randn(B, T, V, generator=g, dtype=torch.float64) * 2
+    valid = y != -100
+    for reference, name, beta in (("unprocessed", "reverse", None), ("policy_kept", "forward", None), ("unprocessed", "jsd", 0.3)):
+        a, b = new.clone().requires_grad_(), ref_new.clone().requires_grad_()
+        want = lk.full_kl(a, b, valid, sampling=s, reference=reference, divergence=name, beta=beta, kept=kept, chunk_size=4)
+        (want * gout).sum().backward()
+        for split in (6, 3, 11):
+            start, stop = (0, split) if rank == 0 else (split, V)
+            la, lb = new[..., start:stop].clone().requires_grad_(), ref_new[..., start:stop].clone().requires_grad_()
+            got = lk.full_kl(lk.VocabShard(la, group, start), lk.VocabShard(lb, group, start), valid, sampling=s, reference=reference,
+                             divergence=name, beta=beta, kept=kept, chunk_size=4)
+            (got * gout).sum().backward()
+            _err(errors, f"full_{name}_{split}", got, want)
+            _err(errors, f"full_{name}_grad_{split}", la.grad, a.grad[..., start:stop])
+            _err(errors, f"full_{name}_ref_grad_{split}", lb.grad, b.grad[..., start:stop])
+    # KLPenaltyLoss("full") with the record on a split (a truncating sampler is refused there without one)
+    loss = lk.KLPenaltyLoss("full", coef=1.0, sampling=s)
+    start, stop = (0, 6) if rank == 0 else (6, V)
+    _err(errors, "loss_split", loss(lk.VocabShard(new[..., start:stop], group, start), lk.VocabShard(ref_new[..., start:stop], group, start),
+                                    valid, kept=kept), loss(new, ref_new, valid, kept=kept))
+    # a column-parallel head for both models (a recorded set is read by each shard's columns)
+    rhid = torch.randn(B, T, D, generator=g, dtype=torch.float64)
+    rw = torch.randn(V, D, generator=g, dtype=torch.float64) * 2
+    whole = [hid.clone().requires_grad_(), w.clone().requires_grad_()]
+    want = lk.full_kl(lk.FromHidden(*whole), lk.FromHidden(rhid, rw), valid, sampling=s, reference="policy_kept", kept=kept)
+    (want * gout).sum().backward()
+    mine = [hid.clone().requires_grad_(), w[start:stop].clone().requires_grad_()]
+    got = lk.full_kl(lk.FromHidden(mine[0], lk.VocabShard(mine[1], group, start)), lk.FromHidden(rhid, lk.VocabShard(rw[start:stop], group, start)),
+                     valid, sampling=s, reference="policy_kept", kept=kept)
+    (got * gout).sum().backward()
+    _err(errors, "full_head", got, want)
+    _err(errors, "full_head_grad_hidden", mine[0].grad, whole[0].grad)
+    _err(errors, "full_head_grad_weight", mine[1].grad, whole[1].grad[start:stop])
+    try:  # the reference's own processing needs whole rows
+        lk.full_kl(lk.VocabShard(new[..., start:stop], group, start), lk.VocabShard(ref_new[..., start:stop], group, start), valid,
+                   sampling=s, reference="processed", kept=kept)
+    except ValueError as err:
+        raised["processed"] = str(err)
     # a sampled token missing from its own set: every rank raises, naming it
     mask = kept.to_mask()
     mask[1, 4, y[1, 4]] = False

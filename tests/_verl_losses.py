@@ -1,8 +1,8 @@
-"""verl 0.9.1's own policy losses, for ``tests/test_trust_region.py`` and ``tests/test_cov_select.py``.
+"""verl 0.9.1's own policy losses, for ``tests/test_trust_region.py``, ``tests/test_cov_select.py`` and ``tests/test_verl_dro.py``.
 
 From the installed package (``.stacks`` or ``LIGHTNING_KL_STACKS``, found as ``tests/_mismatch_stacks.py``
 finds it; the test skips where it is missing): ``compute_policy_loss_dppo_tv``, ``_dppo_kl``, ``_kl_cov``,
-``_clip_cov`` and ``agg_loss`` of ``verl/trainer/ppo/core_algos.py``, and ``masked_sum`` / ``masked_mean``
+``_clip_cov``, ``_dro`` and ``agg_loss`` of ``verl/trainer/ppo/core_algos.py``, and ``masked_sum`` / ``masked_mean``
 of ``verl/utils/torch_functional.py``, taken out by their syntax tree and executed as they are (the
 module itself imports omegaconf, numpy and verl's configs). Nothing here copies their code.
 
@@ -21,7 +21,7 @@ import torch
 from _mismatch_stacks import _compile, _function, _tree, package_root
 
 LOSSES = ("compute_policy_loss_dppo_tv", "compute_policy_loss_dppo_kl", "compute_policy_loss_kl_cov",
-          "compute_policy_loss_clip_cov")  # fmt: skip
+          "compute_policy_loss_clip_cov", "compute_policy_loss_dro")  # fmt: skip
 
 
 class _Config(types.SimpleNamespace):
@@ -33,7 +33,7 @@ def verl_config(**fields: Any) -> _Config:
     """An ``ActorConfig`` stand-in: ``clip_ratio*``, ``clip_ratio_c``, ``policy_loss`` (a namespace of
     ``PolicyLossConfig`` fields, with verl's defaults), ``global_batch_info``."""
     loss = {"loss_mode": "vanilla", "clip_cov_ratio": 0.0002, "clip_cov_lb": 1.0, "clip_cov_ub": 5.0,
-            "kl_cov_ratio": 0.0002, "ppo_kl_coef": 0.1}  # fmt: skip
+            "kl_cov_ratio": 0.0002, "ppo_kl_coef": 0.1, "dro_beta": None}  # fmt: skip
     loss.update(fields.pop("policy_loss", {}))
     base = {"clip_ratio": 0.2, "clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 3.0, "global_batch_info": {}}
     base.update(fields)
@@ -41,7 +41,7 @@ def verl_config(**fields: Any) -> _Config:
 
 
 def load_verl_losses() -> dict[str, Callable[..., Any]]:
-    """``{"dppo_tv": f, "dppo_kl": f, "kl_cov": f, "clip_cov": f}``; each ``f(old_log_prob, log_prob,
+    """``{"dppo_tv": f, "dppo_kl": f, "kl_cov": f, "clip_cov": f, "dro": f}``; each ``f(old_log_prob, log_prob,
     advantages, response_mask, loss_agg_mode, config)`` returns verl's ``(pg_loss, metrics)``."""
     root = package_root("verl")
     tf = _tree(root / "utils" / "torch_functional.py")

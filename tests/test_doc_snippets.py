@@ -99,6 +99,8 @@ def run_sampling_replay(code: str, mp: Any) -> None:
     """docs/sampling.md's replay: the ratio is exactly 1 on-policy, and the loss has a gradient."""
     ns = run_fragment(code)
     assert torch.equal(ns["ratio"], torch.ones_like(ns["ratio"]))
+    on_policy = lk.full_kl(ns["logits"], ns["ref_logits"], ns["mask"], sampling=ns["sampling"])
+    assert torch.equal(ns["exact_kl"], on_policy)  # the record is the policy's own: today's value
     ns["kl_loss"].backward()
     assert ns["logits"].grad.isfinite().all()
 
@@ -434,7 +436,8 @@ RUNNERS: dict[tuple[str, int], Callable[..., None]] = {
     ("docs/mismatch.md", 4): run_mismatch_decoupled,
     ("docs/mismatch.md", 5): run_mismatch_bypass,
     ("docs/mismatch.md", 6): lambda code, mp: run_fragment(code),  # tests/test_trust_region.py: = prime-rl's loss
-    ("docs/mismatch.md", 7): lambda code, mp: run_fragment(code),  # tests/test_cov_select.py: = verl's losses
+    ("docs/mismatch.md", 7): lambda code, mp: run_fragment(code),  # tests/test_verl_dro.py: = verl's dro
+    ("docs/mismatch.md", 8): lambda code, mp: run_fragment(code),  # tests/test_cov_select.py: = verl's losses
     ("docs/recipes_stacks.md", 0): run_plain_loop,
     ("docs/recipes_stacks.md", 1): run_trl_recipe,  # TRL's names stood in for (tests/_recipes_stacks.py)
     ("docs/recipes_stacks.md", 2): run_verl_recipe,  # verl's likewise

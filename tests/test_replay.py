@@ -522,9 +522,11 @@ def test_replay_on_vocabulary_shards_equals_one_process(tmp_path):
         record = json.loads(path.read_text())
         assert "failure" not in record, record["failure"]
         errors = record["errors"]
-        # 3 splits (6 + 5, 3 + 8, 11 + 0) x (log-prob, log S, gradient, entropy), a column-parallel head x 3, finiteness
-        assert len(errors) == 16
+        # 3 splits (6 + 5, 3 + 8, 11 + 0) x (log-prob, log S, gradient, entropy), a column-parallel head x 3, finiteness;
+        # full_kl: 3 divergences x 3 splits x (value, both gradients), the loss, both models' column-parallel heads x 3
+        assert len(errors) == 16 + 27 + 1 + 3
         assert all(v <= 1e-12 for v in errors.values()), errors
+        assert "reference='processed' with `kept` (replay)" in record["raised"]["processed"]
         assert "not in their own recorded kept set" in record["raised"]["missing"] and "position (1, 4)" in record["raised"]["missing"]
 
 

@@ -66,6 +66,8 @@ from torch import Tensor
 from lightning_kl.ground.checks import check_mask, check_values, compute_dtype
 from lightning_kl.kernels.divergence import check_divergence, pointwise
 from lightning_kl.kernels.engine import REFERENCES, token_logprobs_kernel
+from lightning_kl.ground.sampler import Sampling
+from lightning_kl.inputs import check_kept
 from lightning_kl.logprobs import FromHidden, sampler_of, source_of
 
 __all__ = ["TopK", "TopKDivergence", "topk_divergence"]
@@ -243,6 +245,7 @@ def topk_divergence(
     reference: str = "unprocessed",
     chunk_size: Optional[int] = None,
     return_tails: bool = False,
+    kept: Any = None,
 ) -> Tensor | TopKDivergence:
     r"""Per-token divergence between the student ``x`` and a teacher's top-k log-probs, coarsened onto the
     ``k`` ids and a tail (:mod:`lightning_kl.distill.topk`); what ``lk.full_kl(x, lk.TopK(...), mask)`` computes.
@@ -257,6 +260,9 @@ def topk_divergence(
         reference: ``"unprocessed"``; the other references need the teacher's whole row (refused under truncation).
         chunk_size: rows per chunk of the engine's pass.
         return_tails: also return each row's tail mass for both models (:class:`TopKDivergence`).
+        kept: replay (as ``lk.full_kl``'s ``kept=``): the student's recorded kept sets in place of its
+            sampler's (``reference="unprocessed"`` only); an id outside a position's set keeps its cell with
+            student mass 0, as under truncation.
 
     Returns:
         ``[...]`` the divergence per token (float32; float64 for float64 inputs), differentiable w.r.t. the student.
@@ -273,9 +279,9 @@ def topk_divergence(
     proc = sampler_of(sampling, {}, "full_kl")
     if reference not in REFERENCES:
         raise ValueError(f"`reference` must be one of {REFERENCES}, got {reference!r}.")
-    if proc.truncates and reference != "unprocessed":
+    if (proc.truncates or kept is not None) and reference != "unprocessed":
         raise ValueError(
-            f"reference={reference!r} with a truncating sampler needs the teacher's whole row (its own processing, or "
+            f"reference={reference!r} with a truncating sampler (or a replayed kept set) needs the teacher's whole row (its own processing, or "
             "its mass on the student's kept set); a top-k payload has k entries: use reference='unprocessed' (the "
             "teacher as served; an id outside the student's kept set keeps its cell with student mass 0)."
         )
@@ -283,6 +289,8 @@ def topk_divergence(
         raise TypeError(f"`return_tails` must be a bool, got {return_tails!r}.")
     hidden = isinstance(x, FromHidden)
     like = "hidden" if hidden else "logits"
+    if kept is not None:  # the record replaces the sampler's truncation: its temperature only
+        proc = Sampling(proc.temperature)
     src, part, lead_t = source_of(x, "x" if hidden else "logits", proc)
     lead = lead_t.shape[:-1]
     if topk.ids.shape[:-1] != lead:
@@ -293,12 +301,14 @@ def topk_divergence(
     if topk.ids.device != lead_t.device:
         raise ValueError(f"TopK is on {topk.ids.device} but `{like}` is on {lead_t.device}.")
     mask = check_mask(mask, lead_t, like, without="the last dimension")
+    if kept is not None:
+        kept = check_kept(kept, x, mask, proc.temperature)
     n, k = lead.numel(), topk.k
     valid = torch.ones(n, dtype=torch.bool, device=lead_t.device) if mask is None else mask.reshape(-1)
     vocab = None if part.split else (src.x.shape[-1] if src.weight is None else src.weight.shape[0])
     out_dtype = compute_dtype(src.x, topk.logprobs)
     ids, lq = _checked(topk, lead, vocab, valid, torch.float64)  # the k + 1 cells' maths in float64: [n, k + 1]
-    lp, _, _ = token_logprobs_kernel(src, ids, None if mask is None else ~valid, proc, part, chunk_size)
+    lp, _, _ = token_logprobs_kernel(src, ids, None if mask is None else ~valid, proc, part, chunk_size, replay=kept)
     lp = torch.where(lq == _NINF, _NINF, lp.reshape(n, k).to(torch.float64))  # padding and masked rows: no cell
     with torch.no_grad():
         lt_q = _log_tail(lq)

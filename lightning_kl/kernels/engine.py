@@ -942,6 +942,7 @@ def full_kl_kernel(
     chunk_size: Optional[int] = None,
     divergence: str = "reverse",
     beta: Optional[float] = None,
+    replay: Optional[KeptSets] = None,
 ) -> Tensor:
     r"""Per-token divergence ``[...]`` between the policy's :math:`\tilde p` and the other model's :math:`q`,
     two checked sources (one partition): :math:`\mathrm{KL}(\tilde p \,\|\, q)` by default.
@@ -955,36 +956,53 @@ def full_kl_kernel(
     (:math:`0 \log 0 = 0`). ``divergence``, ``beta``: one of
     :data:`~lightning_kl.kernels.divergence.DIVERGENCES` (:mod:`lightning_kl.kernels.divergence`: its
     terms, its ends); a ``+inf`` value of any of them raises in backward when it gets a gradient.
+
+    ``replay`` (checked :class:`~lightning_kl.ground.kept.KeptSets` of the ``n`` positions, a non-empty
+    set at every valid one) gives the policy's kept set as recorded: :math:`\tilde p` is
+    ``softmax(z / T)`` renormalized on it, and ``sampling``'s truncation is used only where
+    ``reference="processed"`` processes the reference's own logits (whole rows: not on a split
+    vocabulary); ``"policy_kept"`` renormalizes the reference on the recorded set. The recorded set is a
+    selection like a processed one: on tiles of a head and on vocabulary shards as the plain softmax is
+    (each part's columns of the record), the same ops as the processing's on-policy (the same bits where
+    the parts are the same).
     """
     name, beta = check_divergence(divergence, beta)
-    return _FullKL.apply(*src, *ref, invalid, sampling, reference, part, chunk_size, (name, beta))
+    return _FullKL.apply(*src, *ref, invalid, sampling, reference, part, chunk_size, (name, beta), replay)
 
 
 def _kl_shifted(
-    src: Source, ref: Source, idx: slice | Tensor, dtype: torch.dtype, sampling: Sampling, reference: str, cols: slice,
+    src: Source, ref: Source, item: tuple[slice, slice | Tensor], dtype: torch.dtype, sampling: Sampling, reference: str, cols: slice,
     state: dict[str, Tensor], shifts: Optional[tuple[Tensor, Tensor]] = None, out: Optional[Tensor] = None,
+    recorded: Optional[_Recorded] = None, offset: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """A chunk's (or tile's) shifted scores of both models (:func:`_shifted`), ``-inf`` off each
     support, and their shifts ``[c, 1]``: the largest kept logits, or the global ones given. The
-    policy's are written into ``out`` when given without truncation (a gradient's own rows)."""
+    policy's are written into ``out`` when given without a kept set (a gradient's own rows). ``item``:
+    the chunk's output positions and rows; ``recorded``: the policy's recorded kept sets (replay), read
+    over the columns ``cols`` of a part starting at the global column ``offset``."""
     temp = sampling.temperature
+    pos, idx = item
     mp, mq = (None, None) if shifts is None else shifts
-    if not sampling.truncates:
+    if not sampling.truncates and recorded is None:
         z, fz = src.read(idx, cols)
         ep, mp = _shifted(z, fz, dtype, temp, state, "p", mp, out)
         del z
         r, fr = ref.read(idx, cols)
         eq, mq = _shifted(r, fr, dtype, temp, state, "q", mq)
         return ep, eq, mp, mq
-    z, r = src.scores(idx, dtype, 1.0), ref.scores(idx, dtype, 1.0)  # fresh logits in the compute dtype
-    removed = process_scores(z / temp, sampling) == _NINF
+    z, r = src.scores(idx, dtype, 1.0, cols), ref.scores(idx, dtype, 1.0, cols)  # fresh logits in the compute dtype
+    if recorded is not None:  # the recorded set, ties at its boundary included, not a recomputed one
+        removed = recorded.removed(pos, cols.stop - cols.start, offset + cols.start)
+    else:
+        removed = process_scores(z / temp, sampling) == _NINF
     removed_q = None
-    if reference == "processed":
+    if reference == "processed" and sampling.truncates:  # the reference's own processing (whole rows)
         removed_q = process_scores(r / temp, sampling) == _NINF
     elif reference == "policy_kept":
         removed_q = removed
     if mp is None:  # the top is kept by generate's rules; the policy's kept set may leave out the reference's
-        mp = z.amax(dim=-1, keepdim=True)
+        # a record off-policy may leave out the current top (on-policy its largest kept logit is the top: the same bits)
+        mp = (z if recorded is None else z.masked_fill(removed, _NINF)).amax(dim=-1, keepdim=True)
         mq = (r if reference != "policy_kept" else r.masked_fill(removed, _NINF)).amax(dim=-1, keepdim=True)
     assert mq is not None
     ep, eq = z.sub_(_finite(mp)), r.sub_(_finite(mq))
@@ -1075,14 +1093,15 @@ def _row_terms(lp: Tensor, lq: Tensor, div: _Div, state: dict[str, Tensor]) -> t
 _MP, _CP, _MQ, _CQ, _KL, _KL2 = range(6)
 
 
-def _infinite_kl(reference: str, sampling: Sampling) -> tuple[str, str]:
-    """What a +inf KL was taken against, and why it is infinite, for ``reference`` (the backward's message)."""
+def _infinite_kl(reference: str, sampling: Sampling, select: bool) -> tuple[str, str]:
+    """What a +inf KL was taken against, and why it is infinite, for ``reference`` (the backward's message;
+    ``select``: the policy has a kept set, processed or recorded)."""
     if reference == "processed" and sampling.truncates:
         return "the reference's own processed distribution", (
             "(the policy keeps a token that the reference's processing removes): its gradient does not exist. "
             "Use reference='policy_kept' or 'unprocessed' to regularize, or mask those tokens"
         )
-    kept = reference == "policy_kept" and sampling.truncates
+    kept = reference == "policy_kept" and select
     return "the reference renormalized on the policy's kept set" if kept else "the reference's softmax", (
         "(the policy gives mass to a token whose reference logit is -inf, a token the reference cannot emit): "
         "its gradient does not exist. Mask those tokens, or give the reference a finite logit there"
@@ -1121,15 +1140,20 @@ class _FullKL(torch.autograd.Function):
         part: Partition,
         chunk_size: Optional[int],
         divergence: tuple[str, Optional[float]] = ("reverse", None),
+        replay: Optional[KeptSets] = None,
     ) -> Tensor:
         src, ref = Source(Tensors(x, weight, bias, head)), Source(Tensors(rx, rweight, rbias, rhead))
         dtype, temp = compute_dtype(x, rx), sampling.temperature
         div = _Div.of(*divergence)
-        tiled = not sampling.truncates and weight is not None and rweight is not None  # two heads: tiles of both
+        recorded = None if replay is None else _Recorded(replay)
+        # the sampler's processing needs whole rows (the policy's, or the reference's own with "processed"); a
+        # recorded set is read by columns: a head's tiles and a vocabulary's shards take it as the softmax
+        processes = sampling.truncates and (recorded is None or reference == "processed")
+        tiled = not processes and weight is not None and rweight is not None  # two heads: tiles of both
         rows = src.chunk_rows(chunk_size, tiled, models=2)
         # whole rows of one partition: each model's normalized log-probs from one fused read (:func:`_log_probs`);
         # tiles and ranks need each part's shift and log-sum to merge
-        whole = not sampling.truncates and not tiled and part.ranks == 1
+        whole = not sampling.truncates and recorded is None and not tiled and part.ranks == 1
         # the JSD's interior over parts: the terms in a second read, from the global log-sums
         again = div.weights is None and (tiled or part.ranks > 1)
         width = _KL + (1 if div.reverse else 2)  # the statistics' rows: the reverse KL needs no s2
@@ -1155,7 +1179,7 @@ class _FullKL(torch.autograd.Function):
             tiles = src.tiles(pos.stop - pos.start, tiled)
             parts = torch.zeros((len(tiles), width, pos.stop - pos.start), dtype=dtype, device=src.device)
             for k, cols in enumerate(tiles):
-                ep, eq, mp, mq = _kl_shifted(src, ref, idx, dtype, sampling, reference, cols, state)
+                ep, eq, mp, mq = _kl_shifted(src, ref, item, dtype, sampling, reference, cols, state, recorded=recorded, offset=part.offset)
                 u = torch.exp(ep, out=_scratch(state, ep.shape, dtype, src.device, "u"))
                 sp = u.sum(dim=-1)
                 v = torch.exp(eq, out=_scratch(state, eq.shape, dtype, src.device, "v"))
@@ -1167,10 +1191,12 @@ class _FullKL(torch.autograd.Function):
                     parts[k, _KL] = cross + (parts[k, _CQ] - parts[k, _CP])
                 elif div.weights is not None:  # the same for each KL taken: each part's own, merged below
                     s1, s2 = _kl_terms(torch.sub(ep, eq, out=eq), u, v, div)
+                    # a part where one side has no mass (a recorded set outside a tile or a shard) keeps its +inf term:
+                    # that side's log-sum shifts nothing there (the part's weight carries it when merged)
                     if s1 is not None:
-                        parts[k, _KL] = s1.div_(sp) + (parts[k, _CQ] - parts[k, _CP])
+                        parts[k, _KL] = s1.div_(sp) + (_finite(parts[k, _CQ]) - parts[k, _CP])
                     if s2 is not None:
-                        parts[k, _KL2] = s2.div_(sq) + (parts[k, _CP] - parts[k, _CQ])
+                        parts[k, _KL2] = s2.div_(sq) + (_finite(parts[k, _CP]) - parts[k, _CQ])
                 elif not again:  # the JSD of whole rows (a sampler's): normalized here
                     s1, s2 = _row_terms(ep.sub_(parts[k, _CP].unsqueeze(1)), eq.sub_(parts[k, _CQ].unsqueeze(1)), div, state)
                     parts[k, _KL], parts[k, _KL2] = s1, s2  # NaN inputs reach the row below, through c_p and c_q
@@ -1197,7 +1223,7 @@ class _FullKL(torch.autograd.Function):
                 kl2 = part.combine(lwq, kl2 + lwq - lwp)
             local = torch.stack([mp, cp, mq, cq])
         if again:
-            kl, kl2 = _jsd_again(src, ref, local, div, sampling, reference, part, rows, tiled, dtype)
+            kl, kl2 = _jsd_again(src, ref, local, div, sampling, reference, part, rows, tiled, dtype, recorded)
         if not div.reverse and div.weights is None and not whole:  # NaN inputs reach the JSD's row through c_p, c_q
             carry = (local[_CP] + local[_CQ]).mul_(0)
             kl, kl2 = kl + carry, kl2 + carry
@@ -1205,7 +1231,7 @@ class _FullKL(torch.autograd.Function):
         if invalid is not None:
             value = value.masked_fill(invalid, 0)
         ctx.save_for_backward(x, weight, bias, rx, rweight, rbias)
-        ctx.saved = (invalid, local, value, kl, kl2)
+        ctx.saved = (invalid, local, value, kl, kl2, recorded)
         ctx.sampling, ctx.reference, ctx.part, ctx.rows, ctx.tiled, ctx.whole = sampling, reference, part, rows, tiled, whole
         ctx.heads, ctx.div = (head, rhead), div
         return value.view(src.lead)
@@ -1214,7 +1240,7 @@ class _FullKL(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Optional[Tensor], ...]:
         x, weight, bias, rx, rweight, rbias = ctx.saved_tensors
-        invalid, glob, value, s1, s2 = ctx.saved
+        invalid, glob, value, s1, s2, recorded = ctx.saved
         sampling, reference, temp, div = ctx.sampling, ctx.reference, ctx.sampling.temperature, ctx.div
         src, ref = Source(Tensors(x, weight, bias, ctx.heads[0])), Source(Tensors(rx, rweight, rbias, ctx.heads[1]))
         dtype = glob.dtype
@@ -1223,7 +1249,7 @@ class _FullKL(torch.autograd.Function):
             g_out = g_out.masked_fill(invalid, 0)
         infinite = (value == float("inf")) & (g_out != 0)
         if div.reverse:
-            against, why = _infinite_kl(reference, sampling)
+            against, why = _infinite_kl(reference, sampling, sampling.truncates or recorded is not None)
             what = f"the KL against {against}"
         else:
             what = f"the {div.name!r} divergence"
@@ -1252,7 +1278,9 @@ class _FullKL(torch.autograd.Function):
                 if ctx.whole:  # the forward's log-probs again, bitwise
                     logp, logq = _log_probs(src, idx, dtype, temp, state, "p", direct), _log_probs(ref, idx, dtype, temp, state, "q")
                 else:
-                    ep, eq, _, _ = _kl_shifted(src, ref, idx, dtype, sampling, reference, cols, state, (mp[pos], mq[pos]), direct)
+                    ep, eq, _, _ = _kl_shifted(
+                        src, ref, item, dtype, sampling, reference, cols, state, (mp[pos], mq[pos]), direct, recorded, ctx.part.offset
+                    )
                     logp, logq = ep.sub_(cp[pos]), eq.sub_(cq[pos])
                 if not div.reverse:
                     _other_grads(logp, logq, div, s1[pos], s2[pos], scale[pos], w_z, w_ref, pos, idx, cols, state)
@@ -1269,12 +1297,12 @@ class _FullKL(torch.autograd.Function):
 
         if w_z is not None or w_ref is not None:
             _run(work, (src, ref), ctx.rows, state=True)
-        return (*_grads(w_z, ctx.part), None, *_grads(w_ref, ctx.part), None, None, None, None, None, None, None)
+        return (*_grads(w_z, ctx.part), None, *_grads(w_ref, ctx.part), None, None, None, None, None, None, None, None)
 
 
 def _jsd_again(
     src: Source, ref: Source, glob: Tensor, div: _Div, sampling: Sampling, reference: str, part: Partition, rows: int, tiled: bool,
-    dtype: torch.dtype,
+    dtype: torch.dtype, recorded: Optional[_Recorded] = None,
 ) -> tuple[Tensor, Tensor]:
     """The JSD's row sums ``(s1, s2)`` over a head's tiles or a split vocabulary's shards: each part read
     again, normalized by the global shifts and log-sums ``glob [4, n]`` (``m_p, c_p, m_q, c_q``), its
@@ -1285,7 +1313,7 @@ def _jsd_again(
     def work(item: tuple[slice, slice | Tensor], state: Any) -> None:
         pos, idx = item
         for cols in src.tiles(pos.stop - pos.start, tiled):
-            ep, eq, _, _ = _kl_shifted(src, ref, idx, dtype, sampling, reference, cols, state, (mp[pos], mq[pos]))
+            ep, eq, _, _ = _kl_shifted(src, ref, item, dtype, sampling, reference, cols, state, (mp[pos], mq[pos]), None, recorded, part.offset)
             s1, s2 = _row_terms(ep.sub_(cp[pos]), eq.sub_(cq[pos]), div, state)
             sums[0, pos] += s1  # type: ignore[operator]
             sums[1, pos] += s2  # type: ignore[operator]

@@ -15,6 +15,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
+from lightning_kl.ground.kept import KeptSets
 from lightning_kl.ground.sampler import Sampling
 from lightning_kl.ground.vocab_shards import VocabShard, as_vocab_shard, is_vocab_parallel
 from lightning_kl.kernels.engine import PLAIN, WHOLE, Head, Partition, Tensors, full_kl_kernel
@@ -65,21 +66,23 @@ def same_partition(a: Partition, a_name: str, b: Partition, b_name: str) -> Part
 
 def full_kl_compute(
     logits: Any, ref_logits: Any, mask: Optional[Tensor], sampling: Sampling = Sampling(), chunk_size: Optional[int] = None,
-    divergence: tuple[str, Optional[float]] = ("reverse", None),
+    divergence: tuple[str, Optional[float]] = ("reverse", None), replay: Optional[KeptSets] = None,
 ) -> Tensor:
     """The exact KL of the processed policy to the unprocessed reference, from checked logits (or
     shards; ``mask`` bool or None): the way in of ``kl_penalty("full")`` and the loss; ``divergence``, a
-    checked ``(divergence, beta)``, another divergence (:mod:`lightning_kl.kernels.divergence`)."""
+    checked ``(divergence, beta)``, another divergence (:mod:`lightning_kl.kernels.divergence`); ``replay``, checked
+    recorded kept sets of the policy (:func:`~lightning_kl.kernels.engine.full_kl_kernel`)."""
     (src, part), (ref, ref_part) = logits_source(logits, "logits"), logits_source(ref_logits, "ref_logits")
     part = same_partition(part, "logits", ref_part, "ref_logits")
     invalid = None if mask is None else ~mask.reshape(-1)
-    return full_kl_kernel(src, ref, invalid, sampling, "unprocessed", part, chunk_size, *divergence)
+    return full_kl_kernel(src, ref, invalid, sampling, "unprocessed", part, chunk_size, *divergence, replay=replay)
 
 
 def full_kl_from_hidden_compute(
     hidden: Tensor, weight: Any, bias: Optional[Tensor], ref_hidden: Tensor, ref_weight: Any, ref_bias: Optional[Tensor],
     mask: Optional[Tensor], sampling: Sampling = Sampling(), chunk_size: Optional[int] = None,
     head: Head = PLAIN, ref_head: Head = PLAIN, divergence: tuple[str, Optional[float]] = ("reverse", None),
+    replay: Optional[KeptSets] = None,
 ) -> Tensor:
     """:func:`full_kl_compute` of the logits made from checked hidden states and heads (``head``,
     ``ref_head``: each head's logit scale and soft cap)."""
@@ -87,4 +90,4 @@ def full_kl_from_hidden_compute(
     ref, ref_part = head_source(ref_hidden, ref_weight, ref_bias, "ref_weight", ref_head)
     part = same_partition(part, "weight", ref_part, "ref_weight")
     invalid = None if mask is None else ~mask.reshape(-1)
-    return full_kl_kernel(src, ref, invalid, sampling, "unprocessed", part, chunk_size, *divergence)
+    return full_kl_kernel(src, ref, invalid, sampling, "unprocessed", part, chunk_size, *divergence, replay=replay)
