@@ -15,6 +15,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
+from lightning_kl.distill.topk import TopK, topk_divergence
 from lightning_kl.estimators import K3_CLAMP, EstimatorSpec, estimator_value, parse_estimator
 from lightning_kl.ground.checks import compute_dtype
 from lightning_kl.ground.kept import KeptSets
@@ -58,11 +59,15 @@ def full_kl_values(
     reference at the same temperature, unprocessed (``lk.full_kl``'s ``reference="unprocessed"``); or
     another divergence, a checked ``(divergence, beta)`` (:mod:`lightning_kl.kernels.divergence`).
     ``x`` and ``ref_x``: logits (a tensor, a vocabulary-split DTensor or an ``lk.VocabShard``) or one
-    :class:`~lightning_kl.FromHidden` each; ``mask`` bool or None.
+    :class:`~lightning_kl.FromHidden` each; ``mask`` bool or None. ``ref_x`` may be a teacher's
+    :class:`~lightning_kl.TopK` (any form of ``x``): the divergence coarsened onto its ids and a tail, the
+    function ``lk.full_kl`` calls for it (:func:`~lightning_kl.distill.topk.topk_divergence`, which checks the payload).
     A truncating sampler on a vocabulary split was refused by the checks (:mod:`lightning_kl.inputs`).
     ``kept``: the policy's recorded kept sets, checked (:func:`~lightning_kl.inputs.check_kept`): replayed in
     place of the sampler's truncation (``sampling`` then gives the temperature).
     """
+    if isinstance(ref_x, TopK):  # replay included: topk_divergence reads kept= itself
+        return topk_divergence(x, ref_x, mask, sampling=sampling, divergence=divergence[0], beta=divergence[1], kept=kept)
     if kept is not None:
         sampling = Sampling(sampling.temperature)
     if isinstance(x, FromHidden):

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from lightning_kl.compute import check_max_weight, importance_weight, kl_penalty_compute, kl_penalty_values
+from lightning_kl.distill.topk import TopK
 from lightning_kl.estimators import EstimatorSpec, parse_estimator
 from lightning_kl.ground.checks import DEFAULT_LOGPROB_SLACK, LOGPROB_SLACK
 from lightning_kl.ground.sampler import Sampling
@@ -151,9 +152,9 @@ def kl_penalty(
 
 
 def _out_dtype(inputs: KLInputs) -> torch.dtype:
-    # the inputs' promoted dtype (the heads' for hidden states, at least float32 there)
+    # the inputs' promoted dtype (the heads' for hidden states, at least float32 there, as for a teacher's lk.TopK)
     x, ref_x = inputs.logprob, inputs.ref_logprob
-    if isinstance(x, FromHidden):
+    if isinstance(x, FromHidden) or isinstance(ref_x, TopK):
         return inputs.dtype
     return torch.promote_types(getattr(x, "local", x).dtype, getattr(ref_x, "local", ref_x).dtype)
 

@@ -130,6 +130,16 @@ class KLPenaltyLoss(ControllerState):
     min-p: a selection across the shards) is refused by name. ``[b, t]`` inputs
     without a mask are refused there: log-probs where logits belong.
 
+    The other side may also be a served teacher's top-k log-probs, :class:`~lightning_kl.TopK` ``[b, t, k]``
+    (on-policy distillation), beside the student's logits, vocabulary shard or ``FromHidden``:
+    ``self.kl(logits, lk.TopK(ids, logprobs), mask)`` is ``coef * aggregate(lk.full_kl(logits, topk, mask,
+    sampling=sampling, divergence=divergence, beta=beta), mask, agg)``, the divergence coarsened onto the
+    teacher's ids and one tail cell per model (:mod:`lightning_kl.distill.topk`: never negative, at most the
+    full divergence), in every ``agg`` and with ``global_batch``; the payload is checked as there, a bad one
+    refused on every process alike. At ``level="token"`` only; a ``TopK`` with a sampled estimator is refused
+    (they take the teacher's log-probs of the sampled tokens). The loss returns no tails: log them from
+    ``lk.full_kl(..., return_tails=True)``.
+
     Log-probs are checked to be ``<= 0`` at valid positions (beyond rounding): logits gathered at the
     tokens are refused, on the CPU by a ``ValueError`` naming the value, on an accelerator by a
     device-side assertion (no host read). ``old_logprob`` is the sampler's, a constant: one that
@@ -177,7 +187,9 @@ class KLPenaltyLoss(ControllerState):
     Raises:
         ValueError: at construction, for an unknown estimator, mode, level or divergence, a bad ``coef``,
             ``max_weight`` or ``beta``, or a mode or divergence that does not fit ``level="sequence"``; in forward,
-            for shapes that do not match (both are named).
+            for shapes that do not match (both are named), a bad ``TopK`` payload (the position named) or a ``TopK``
+            at ``level="sequence"``.
+        TypeError: in forward, for a ``TopK`` with a sampled estimator or in the student's place.
 
     Example:
         >>> import torch
@@ -290,7 +302,8 @@ class KLPenaltyLoss(ControllerState):
         """The scalar KL loss; ``old_logprob`` (the sampling policy's) importance weights it.
 
         For ``full``, ``logprob`` and ``ref_logprob`` are the logits ``[..., V]``, or one
-        :class:`~lightning_kl.FromHidden` each (hidden states and LM head); ``mask`` is ``[...]``;
+        :class:`~lightning_kl.FromHidden` each (hidden states and LM head), or ``ref_logprob`` a teacher's
+        :class:`~lightning_kl.TopK` ``[..., k]`` beside either; ``mask`` is ``[...]``;
         at ``level="sequence"`` it also needs ``sampled_logprob`` ``[...]``, the policy's
         (differentiable) log-probs of the sampled tokens (see :mod:`lightning_kl.sequence`).
 
@@ -338,9 +351,10 @@ class KLPenaltyLoss(ControllerState):
                 if kept is not None:  # replay: checked beside the other inputs, alike on every process
                     forward_kl = (kl_weights(self.divergence, self.beta) or (0.0,))[0] > 0
                     kept = check_loss_kept(kept, inputs, self.spec, forward_kl, self.sampling.temperature)
-            kl = kl_penalty_values(
-                inputs, self.spec, self.max_weight, self.level, self.kl_to_go, self.sampling, (self.divergence, self.beta), kept
-            )
+                # in the block too: a teacher's lk.TopK payload is checked with the student, at the compute step
+                kl = kl_penalty_values(
+                    inputs, self.spec, self.max_weight, self.level, self.kl_to_go, self.sampling, (self.divergence, self.beta), kept
+                )
             k = self._accumulation(inputs)
             given = (inputs.num_tokens, inputs.num_seqs)
             self._warn_if_micro_batch_counts(k, given)

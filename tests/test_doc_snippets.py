@@ -400,6 +400,7 @@ def run_distillation_topk(code: str, monkeypatch: Any) -> None:
     lp = (out["logits"].detach() / 0.9).log_softmax(-1)  # the student at T = 0.9, the teacher served at T = 1
     full = (lp.exp() * (lp - ns["ref_logits"].log_softmax(-1))).sum(-1) * out["mask"]
     assert torch.isfinite(out["kl_loss"]) and (out["out"].value <= full + 1e-6).all()  # a lower bound of the full KL
+    assert_close(out["kl_loss"].detach(), out["out"].value[out["mask"]].mean(), rtol=1e-6, atol=0)  # the loss: coef 1, token-mean
     out["kl_loss"].backward()
     assert set(out["self"].logged) == {"opd/kl", "opd/student_tail", "opd/teacher_tail"}
 
