@@ -247,7 +247,7 @@ def plot(series: dict[str, dict[str, list[float]]], arms: tuple[str, ...], marks
     _runs.save_figure(fig, f"toy: OPD against RL and the three directions, {seeds} seeds (mean, band: range)", png)
 
 
-def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="runs/distill_study")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -265,6 +265,18 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     for name in ("steps", "teacher_steps", "prompts", "group", "eval_samples"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    return args
+
+
+def reference_state(args: argparse.Namespace, cache: Path) -> dict[str, Tensor]:
+    """The pretrained reference's state dict (from the cache, or pretrained into it)."""
+    toy = toy_rlhf.ToyRLHF(pretrain_steps=args.pretrain_steps, cache_dir=str(cache))
+    toy.load_or_pretrain_reference(_data(args, 1))
+    return toy.ref.state_dict()
+
+
+def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
+    args = parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cache = out / "reference"
@@ -288,11 +300,11 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     # the two marks of the plot: the teacher's and the reference's mean reward, from their own samples
     pl.seed_everything(TEACHER_SEED + 1, verbose=False)
     scorer = _data(args, 1)
-    toy = toy_rlhf.ToyRLHF(pretrain_steps=args.pretrain_steps, cache_dir=str(cache))
-    toy.load_or_pretrain_reference(scorer)  # the cached reference
-    marks["reference"] = scorer.mean_score(toy.ref)
-    toy.ref.load_state_dict(teacher)
-    marks["teacher"] = scorer.mean_score(toy.ref)
+    probe = toy_rlhf.TinyGPT()
+    probe.load_state_dict(reference_state(args, cache))
+    marks["reference"] = scorer.mean_score(probe)
+    probe.load_state_dict(teacher)
+    marks["teacher"] = scorer.mean_score(probe)
     total = time.perf_counter() - start
     print(f"\nteacher: {args.teacher_steps} RL rollouts, k3+ {args.kl_coef:g} to the reference ({teacher_seconds:.1f} s, cached after the first run), "
           f"reward {marks['teacher']:.3f}; reference {marks['reference']:.3f} ({args.eval_samples} samples each)")

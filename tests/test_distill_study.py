@@ -58,6 +58,17 @@ def test_the_smallest_study_runs_every_arm_and_the_opd_students_close_on_the_tea
         s = series[f"{arm}/0"]
         assert s["rkl"][-1] < 0.7 * start and s["fkl"][-1] < 0.7 * s["fkl"][0], (arm, s["rkl"], s["fkl"])
         assert s["rkl"][-1] < rl, (arm, s["rkl"], rl)
+    # a teacher that is the reference: the OPD signal is exactly 0 at the start (k1's reward on every token,
+    # the reverse and forward KLs' gradients), so no OPD student moves; the RL student does. (Not the JSD:
+    # its gradient at p = q is 0 only to float32 rounding, ~1e-8, and AdamW scales any gradient to a step.)
+    args = study.parse_args(["--out", str(out), "--steps", "2", "--pretrain-steps", "60", "--prompts", "4", "--group", "4"])
+    reference = study.reference_state(args, out / "reference")
+    for arm in ("rl", "opd-k1", "reverse", "forward"):
+        _, s = study.run(arm, 1, args, reference, out / "reference")
+        if arm == "rl":
+            assert s["rkl"][0] < 1e-6 < s["rkl"][-1], s["rkl"]
+        else:
+            assert max(s["rkl"]) < 1e-6 and max(s["fkl"]) < 1e-6, (arm, s["rkl"], s["fkl"])
 
 
 def test_a_bad_arm_fails_at_construction_naming_the_arms():
