@@ -59,17 +59,17 @@ ARMS = ("rl", "opd-k1", "reverse", "forward", "jsd")
 LOSSES = {
     "rl": "GRPO on the task reward, k3+ to the reference",
     "opd-k1": "OPD reward -(log pi - log pi_T), KLRewardCallback k1",
-    "reverse": 'KLPenaltyLoss("full"), KL(pi || pi_T)',
-    "forward": 'KLPenaltyLoss("full", divergence="forward"), KL(pi_T || pi)',
+    "reverse": 'KLPenaltyLoss("full"), KL(pi ‖ pi_T)',
+    "forward": 'KLPenaltyLoss("full", divergence="forward"), KL(pi_T ‖ pi)',
     "jsd": 'KLPenaltyLoss("full", divergence="jsd", beta=0.5)',
 }
 TEACHER_SEED = 1000  # the teacher's run: its own seed, one teacher for every student seed
 FIELDS = ("arm", "seed", "reward_first", "reward_last", "rkl_first", "rkl_last", "fkl_last", "steps", "seconds")
 
 
-def _trainer() -> pl.Trainer:
+def _trainer(callbacks: Optional[list[Any]] = None) -> pl.Trainer:
     return pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_progress_bar=False,
-                      enable_checkpointing=False, enable_model_summary=False)
+                      enable_checkpointing=False, enable_model_summary=False, callbacks=callbacks)
 
 
 def _data(args: argparse.Namespace, rollouts: int) -> "DistillData":
@@ -81,20 +81,21 @@ def _data(args: argparse.Namespace, rollouts: int) -> "DistillData":
 # the teacher: the toy's RL run, much longer
 
 
-def train_teacher(args: argparse.Namespace, cache: Path) -> tuple[dict[str, Tensor], float]:
-    """The teacher's state dict (trained, or loaded from ``cache``) and the seconds it took."""
+def train_teacher(args: argparse.Namespace, cache: Path) -> tuple[dict[str, Tensor], bool, float]:
+    """The teacher's state dict (trained, or loaded from ``cache``), whether it was loaded, and the seconds."""
     config = {"teacher": [args.teacher_steps, args.prompts, args.group, args.kl_coef, TEACHER_SEED],
               "reference": args.pretrain_steps, "format": 1}
 
     def fit() -> dict[str, Tensor]:
         pl.seed_everything(TEACHER_SEED, verbose=False)
-        model = toy_rlhf.ToyRLHF(kl_estimator="k3+", kl_coef=args.kl_coef, pretrain_steps=args.pretrain_steps, cache_dir=str(cache))
+        model = toy_rlhf.ToyRLHF(kl_estimator="k3+", kl_coef=args.kl_coef, pretrain_steps=args.pretrain_steps,
+                                 cache_dir=str(cache))
         _trainer().fit(model, datamodule=toy_rlhf.RolloutDataModule(
             prompts_per_rollout=args.prompts, group_size=args.group, rollouts=args.teacher_steps, reference_samples=1))
         return {k: v.detach().clone() for k, v in model.policy.state_dict().items()}
 
-    state, _, _, seconds = _runs.load_or_pretrain(cache, config, fit, "distill_study")
-    return state, seconds
+    state, _, cached, seconds = _runs.load_or_pretrain(cache, config, fit, "distill_study")
+    return state, cached, seconds
 
 
 # ---------------------------------------------------------------------------------------------
@@ -177,17 +178,18 @@ class DistillToy(toy_rlhf.ToyRLHF):
         return loss.detach()
 
 
-def run(arm: str, seed: int, args: argparse.Namespace, teacher: dict[str, Tensor], cache: Path) -> tuple[dict[str, Any], dict[str, list[float]]]:
+def run(
+    arm: str, seed: int, args: argparse.Namespace, teacher: dict[str, Tensor], cache: Path
+) -> tuple[dict[str, Any], dict[str, list[float]]]:
+    """One student: ``arm`` from ``seed``, ``args.steps`` rollouts; its table row and its series."""
     pl.seed_everything(seed, verbose=False)
     model = DistillToy(arm, teacher, kl_coef=args.kl_coef, pretrain_steps=args.pretrain_steps, cache_dir=str(cache))
     callbacks = []
     if arm == "opd-k1":
         callbacks.append(lk.KLRewardCallback("k1", lk.FixedKLController(1.0), scores_key="opd_scores",
                                              ref_logprobs_key="teacher_logprobs", log_prefix="opd/"))
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_progress_bar=False,
-                         enable_checkpointing=False, enable_model_summary=False, callbacks=callbacks)
     start = time.perf_counter()
-    trainer.fit(model, datamodule=_data(args, args.steps))
+    _trainer(callbacks).fit(model, datamodule=_data(args, args.steps))
     s = model.series
     q = max(1, len(s["reward"]) // 4)
     row = {"arm": arm, "seed": seed,
@@ -223,7 +225,9 @@ def table(rows: list[dict[str, Any]], arms: tuple[str, ...]) -> list[str]:
     return lines
 
 
-def plot(series: dict[str, dict[str, list[float]]], arms: tuple[str, ...], marks: dict[str, float], png: Path, seeds: int) -> None:
+def plot(
+    series: dict[str, dict[str, list[float]]], arms: tuple[str, ...], marks: dict[str, float], png: Path, seeds: int
+) -> None:
     plt = _runs.pyplot()
     colors = {"rl": "black", "opd-k1": "tab:orange", "reverse": "tab:blue", "forward": "tab:green", "jsd": "tab:red"}
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
@@ -281,7 +285,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     out.mkdir(parents=True, exist_ok=True)
     cache = out / "reference"
     start = time.perf_counter()
-    teacher, teacher_seconds = train_teacher(args, cache)
+    teacher, teacher_cached, teacher_seconds = train_teacher(args, cache)
     arms = tuple(a for a in ARMS if a in args.arms)
     rows, series = [], {}
     marks: dict[str, float] = {}
@@ -306,7 +310,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     probe.load_state_dict(teacher)
     marks["teacher"] = scorer.mean_score(probe)
     total = time.perf_counter() - start
-    print(f"\nteacher: {args.teacher_steps} RL rollouts, k3+ {args.kl_coef:g} to the reference ({teacher_seconds:.1f} s, cached after the first run), "
+    how = "loaded from the cache" if teacher_cached else f"trained in {teacher_seconds:.1f} s"
+    print(f"\nteacher: {args.teacher_steps} RL rollouts, k3+ {args.kl_coef:g} to the reference ({how}), "
           f"reward {marks['teacher']:.3f}; reference {marks['reference']:.3f} ({args.eval_samples} samples each)")
     print(f"students: {args.steps} rollouts of {args.prompts} x {args.group} responses each, seeds {args.seeds}; "
           f"{total:.0f} s in all on {platform.machine()} ({torch.get_num_threads()} thread(s))\n")
