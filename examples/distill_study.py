@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import inspect
 import json
 import os
 import platform
@@ -143,8 +144,6 @@ class DistillToy(toy_rlhf.ToyRLHF):
 
     def save_hyperparameters(self, *args: Any, ignore: Any = None, frame: Any = None, logger: bool = True) -> None:
         """The toy's, less ``teacher_state`` (tensors, loaded into ``self.teacher``)."""
-        import inspect
-
         ignore = ["teacher_state", *([ignore] if isinstance(ignore, str) else list(ignore or []))]
         frame = frame if frame is not None else inspect.currentframe().f_back
         super().save_hyperparameters(*args, ignore=ignore, frame=frame, logger=logger)
