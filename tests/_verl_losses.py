@@ -41,8 +41,10 @@ def verl_config(**fields: Any) -> _Config:
 
 
 def load_verl_losses() -> dict[str, Callable[..., Any]]:
-    """``{"dppo_tv": f, "dppo_kl": f, "kl_cov": f, "clip_cov": f, "dro": f}``; each ``f(old_log_prob, log_prob,
-    advantages, response_mask, loss_agg_mode, config)`` returns verl's ``(pg_loss, metrics)``."""
+    """``{"dppo_tv": f, "dppo_kl": f, "kl_cov": f, "clip_cov": f, "dro": f, "agg_loss": agg}``; each ``f(old_log_prob,
+    log_prob, advantages, response_mask, loss_agg_mode, config)`` returns verl's ``(pg_loss, metrics)``; ``agg`` is
+    verl's ``agg_loss(loss_mat, loss_mask, loss_agg_mode, dp_size=1, batch_num_tokens=None, global_batch_size=None,
+    loss_scale_factor=None)``."""
     root = package_root("verl")
     tf = _tree(root / "utils" / "torch_functional.py")
     base = {"torch": torch}
@@ -54,4 +56,5 @@ def load_verl_losses() -> dict[str, Callable[..., Any]]:
         "AlgoConfig": type("AlgoConfig", (), {}),
     }  # fmt: skip
     namespace["agg_loss"] = _compile(_function(core, "agg_loss"), namespace)
-    return {name.removeprefix("compute_policy_loss_"): _compile(_function(core, name), namespace) for name in LOSSES}
+    losses = {name.removeprefix("compute_policy_loss_"): _compile(_function(core, name), namespace) for name in LOSSES}
+    return {**losses, "agg_loss": namespace["agg_loss"]}

@@ -658,3 +658,28 @@ def test_the_guides_yaml_trains_with_verls_settings(tmp_path: Path, monkeypatch:
     ctl = callback.controller
     assert (callback.estimator, type(ctl), ctl.target_kl, ctl.horizon) == ("k1", lk.AdaptiveKLController, 0.1, 10000)
     assert cli.trainer.global_step == 2 and ctl.value != 0.001  # trained, and the controller moved
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_the_kl_loss_is_verl_091s_own_agg_loss_and_its_sum_norm_divides_by_the_sequences(mode: str) -> None:
+    # verl 0.9.1's agg_loss, run as it is (one process): three modes are ours by name; its
+    # seq-mean-token-sum-norm also divides by the sequences, (sum_i S_i) / B / loss_scale_factor, which is
+    # agg="seq-mean-token-sum" with coef / loss_scale_factor here (docs/migration.md), not our mode of that name
+    from _verl_losses import load_verl_losses
+
+    agg_loss = load_verl_losses()["agg_loss"]
+    lp, ref, mask = _batch()
+    mask[2] = False  # a fully masked sequence: out of every seq mean, and of verl's global_batch_size
+    mat = verl_reference(lp, ref, "low_var_kl")
+    for scale in (None, 3.0):
+        theirs = agg_loss(mat, mask.to(mat.dtype), mode, loss_scale_factor=scale)
+        if mode != "seq-mean-token-sum-norm":
+            assert_close(lk.KLPenaltyLoss("low_var_kl", coef=1.0, agg=mode)(lp, ref, mask), theirs,
+                         rtol=2e-8 if mode == "seq-mean-token-mean" else 1e-12, atol=0.0)  # fmt: skip
+            continue
+        norm = mask.shape[-1] if scale is None else scale
+        mapped = lk.KLPenaltyLoss("low_var_kl", coef=1.0 / norm, agg="seq-mean-token-sum")(lp, ref, mask)
+        assert_close(mapped, theirs, rtol=1e-12, atol=0.0)
+        ours = lk.KLPenaltyLoss("low_var_kl", coef=1.0, agg=mode, agg_norm=scale)(lp, ref, mask)
+        sequences = int(mask.any(-1).sum())
+        assert_close(ours / sequences, theirs, rtol=1e-12, atol=0.0)  # the older verl's sum-norm: no / B
