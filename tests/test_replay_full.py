@@ -351,6 +351,16 @@ def test_the_loss_replays_as_full_kl_does_and_is_todays_loss_on_policy(agg, name
     _, own_h = lk.token_logprobs(hx, y, sampling=s, ignore_index=-100, return_kept=True, outside="-inf")
     hr = lk.FromHidden(new["rh"], new["rw"])
     assert torch.equal(loss(hx, hr, mask, kept=own_h), loss(hx, hr, mask))
+    # a served teacher's top-k in the reference's place replays as full_kl does (the loss routes the record to it)
+    ids = torch.topk(new["zr"], 4, dim=-1).indices
+    topk = lk.TopK(ids, torch.log_softmax(new["zr"], -1).gather(-1, ids))
+    c, e = new["z"].clone().requires_grad_(), new["z"].clone().requires_grad_()
+    got = loss(c, topk, mask, kept=kept)
+    want = 0.3 * lk.aggregate(lk.full_kl(e, topk, mask, sampling=s, divergence=name, beta=beta, kept=kept), mask, agg)
+    assert got.isfinite() and torch.equal(got, want)
+    got.backward(), want.backward()
+    assert torch.equal(c.grad, e.grad)
+    assert not torch.equal(got, loss(new["z"], topk, mask))  # the record was read, not the current kept sets
     # the metric saw the replayed values
     assert loss.metric.compute().isfinite()
 
