@@ -141,12 +141,20 @@ def test_the_scorers_on_a_real_rollout(args):
     torch.testing.assert_close(old[mask].double(), batch["processed"][mask].double() + log_s[mask], rtol=0, atol=1e-5)
     assert float(log_s[mask].max()) < -1e-3 and torch.equal(keep, mask)
     torch.testing.assert_close(lp[mask], old[mask], rtol=0, atol=1e-5)
-    # drop, off-policy: the tokens outside the new kept set are out of the loss, and only those
-    z = logits + torch.randn(logits.shape, generator=torch.Generator().manual_seed(1))
+    # off-policy (the adapters moved): drop takes out of the loss the tokens outside the new kept set, and only
+    # those; replay keeps every token with a finite log-prob
+    with torch.no_grad():
+        for name, q in policy.named_parameters():
+            if "lora_B" in name:
+                q.add_(torch.randn(q.shape, generator=torch.Generator().manual_seed(1)))
+        lp, old, keep, z = study.scored("drop", policy, batch, rows, s)
+        replay = study.scored("replay", policy, batch, rows, s)[0]
     tokens = batch["tokens"]
-    outside = (study.process_scores(z.double() / s.temperature, s).gather(-1, tokens.clamp(min=0)[..., None])[..., 0] == float("-inf")) & mask
-    lp = lk.token_logprobs(z, tokens, sampling=s, ignore_index=-100, outside="-inf")
-    assert outside.any() and torch.equal(mask & (lp > float("-inf")), mask & ~outside)
+    removed = study.process_scores(z.double() / s.temperature, s).gather(-1, tokens.clamp(min=0)[..., None])[..., 0] == float("-inf")
+    outside = removed & mask
+    assert outside.any() and torch.equal(keep, mask & ~outside)
+    assert lp[keep].isfinite().all() and torch.equal(lp[outside], old[outside])  # no -inf into the ratio
+    assert replay[mask].isfinite().all()
 
 
 @pytest.mark.parametrize("method", study.METHODS)
