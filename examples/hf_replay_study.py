@@ -212,16 +212,19 @@ def train(method: str, seed: int, top_p: float, rollouts: int, args: argparse.Na
         batch = rollout(policy, dm, generator)
         b = batch["mask"].shape[0]
         adv = _runs.group_advantages(batch["scores"], batch["group"])[:, None]
-        on, off, dropped = [], [], []
+        on, off, dropped, clip_share = [], [], [], []
         for epoch in range(args.epochs):
             for rows in torch.randperm(b, generator=generator).chunk(args.minibatches):
                 lp, old, keep, logits = scored(method, policy, batch, rows, sampling)
                 mask = batch["mask"][rows]
                 errors = ratio_errors(batch["logits"][rows][mask], logits.detach()[mask], sampling)
-                (off if on or epoch else on).append(errors)  # the first step of a rollout is on-policy
+                step_off = bool(on) or epoch > 0  # the first step of a rollout is on-policy
+                (off if step_off else on).append(errors)
                 dropped.append(float((mask & ~keep).sum() / mask.sum().clamp(min=1)))
                 ratio = torch.exp(lp - old)
                 clipped = ratio.clamp(1 - args.clip_eps, 1 + args.clip_eps)
+                if step_off:  # the share of the loss's tokens whose ratio is outside the clip band
+                    clip_share.append(float(((ratio != clipped) & keep).sum() / keep.sum().clamp(min=1)))
                 loss = lk.aggregate(-torch.minimum(ratio * adv[rows], clipped * adv[rows]), keep, "token-mean")
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
@@ -229,6 +232,7 @@ def train(method: str, seed: int, top_p: float, rollouts: int, args: argparse.Na
                 opt.step()
         log.setdefault("reward", []).append(float(batch["scores"].mean()))
         log.setdefault("loss_dropped", []).append(sum(dropped) / len(dropped))
+        log.setdefault("clipped", []).append(mean(clip_share))
         for tag, errs in (("on", on), ("off", off)):
             for key in errs[0] if errs else ():
                 log.setdefault(f"{tag}/{key}", []).append(sum(e[key] for e in errs) / len(errs))
@@ -264,32 +268,35 @@ def table_a(runs: dict[tuple[str, int], dict[str, list[float]]]) -> str:
 
 def table_b(runs: dict[tuple[str, int], dict[str, list[float]]], seeds: list[int]) -> str:
     """Reward: the first and last quarter of the rollouts, per seed and mean; the loss's dropped tokens."""
-    lines = ["| method | " + " | ".join(f"seed {s}: first -> last quarter" for s in seeds) + " | mean, last quarter | tokens dropped from the loss |",
-             "|---|" + "---:|" * (len(seeds) + 2)]
+    lines = ["| method | " + " | ".join(f"seed {s}: first -> last quarter" for s in seeds)
+             + " | mean, last quarter | tokens dropped from the loss | ratio outside the clip band, off-policy steps |",
+             "|---|" + "---:|" * (len(seeds) + 3)]
     for method in METHODS:
-        cells, lasts, drops = [], [], []
+        cells, lasts, drops, clips = [], [], [], []
         for s in seeds:
             r = runs[(method, s)]["reward"]
             k = max(len(r) // 4, 1)
             cells.append(f"{mean(r[:k]):.3f} -> {mean(r[-k:]):.3f}")
             lasts.append(mean(r[-k:]))
             drops.append(mean(runs[(method, s)]["loss_dropped"]))
-        lines.append(f"| {method} | " + " | ".join(cells) + f" | {mean(lasts):.3f} | {mean(drops):.3%} |")
+            clips.append(mean(runs[(method, s)]["clipped"]))
+        lines.append(f"| {method} | " + " | ".join(cells) + f" | {mean(lasts):.3f} | {mean(drops):.3%} | {mean(clips):.2%} |")
     return "\n".join(lines)
 
 
 def table_c(rows: dict[float, dict[str, list[float]]]) -> str:
-    """The temperature-only scorer's bias against top_p: on-policy and off-policy, with replay's."""
-    lines = ["| top_p | mean kept | E log S (on-policy) | temp_only vs sampler, on-policy | temp_only PPO ratio, on-policy | "
-             "temp_only PPO ratio, off-policy | temp_only vs sampler, off-policy | replay, off-policy | dropped mass, off-policy |",
+    """The temperature-only scorer's bias against top_p: against the sampler on-policy, and in the PPO
+    ratio off-policy, with replay's."""
+    lines = ["| top_p | mean kept | temp_only vs sampler, on-policy: bias | off [0.99, 1.01] | "
+             "temp_only PPO ratio, off-policy: bias | mean abs error | replay, off-policy: bias | mean abs error | "
+             "dropped mass, off-policy |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for top_p, lg in rows.items():
         g = {k: mean(v) for k, v in lg.items()}
         lines.append(
-            f"| {top_p:g} | {g['on/kept']:.2f} | {g['on/log_kept']:+.5f} | {g['on/temp_vs_sampler_bias']:+.5f} | "
-            f"{g['on/temp_only_bias']:+.5f} | {g.get('off/temp_only_bias', math.nan):+.5f} | "
-            f"{g.get('off/temp_vs_sampler_bias', math.nan):+.5f} | {g.get('off/replay_bias', math.nan):+.5f} | "
-            f"{g.get('off/dropped', math.nan):.3%} |"
+            f"| {top_p:g} | {g['on/kept']:.2f} | {g['on/temp_vs_sampler_bias']:+.5f} | {g['on/temp_vs_sampler_off']:.1%} | "
+            f"{g['off/temp_only_bias']:+.5f} | {g['off/temp_only_abs']:.5f} | "
+            f"{g['off/replay_bias']:+.5f} | {g['off/replay_abs']:.5f} | {g['off/dropped']:.3%} |"
         )
     return "\n".join(lines)
 
