@@ -170,6 +170,7 @@ def test_the_smallest_study_run(args, method):
     assert all(math.isfinite(v) for v in log["off/replay_bias"])
     if method != "drop":
         assert log["loss_dropped"] == [0.0, 0.0]
+    assert len(log["clipped"]) == 2 and all(0 <= c <= 1 for c in log["clipped"])
 
 
 def test_top_p_one_run_has_no_temperature_only_bias(args):
