@@ -37,7 +37,8 @@ with the exact one in float64, weighted by ``mu(y)``, each position alike:
   off on-policy too.
 
 Printed: (a) those figures at ``--top-p`` (mean over the off-policy steps, the rollouts and the
-seeds); (b) the task reward (the rollouts' accuracy) over the rollouts, per method, 3 seeds; (c) the
+seeds); (b) the task reward (the rollouts' accuracy) over the rollouts, per method, 3 seeds, with the
+share of the loss's tokens that ``drop`` took out and of the ratios outside the clip band; (c) the
 bias of ``temp_only`` against ``top_p`` (``--top-ps``, ``--table-rollouts`` rollouts of the replay run
 at each, seed 0), on-policy (the first step of every rollout) and off-policy. ``--out`` writes the
 figure.
