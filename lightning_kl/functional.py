@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from lightning_kl.compute import check_max_weight, importance_weight, kl_penalty_compute, kl_penalty_values
-from lightning_kl.distill.inputs import check_topk_inputs, has_topk
+from lightning_kl.distill.inputs import check_topk_inputs
 from lightning_kl.distill.topk import TopK
 from lightning_kl.estimators import EstimatorSpec, parse_estimator
 from lightning_kl.ground.checks import DEFAULT_LOGPROB_SLACK, LOGPROB_SLACK
@@ -140,7 +140,8 @@ def kl_penalty(
     level = check_level(level)
     kl_to_go = check_kl_to_go(kl_to_go, level, spec.base == "full")
     sampling = resolve_sampling(sampling, temperature, spec.name, "kl_penalty")
-    check = check_topk_inputs if has_topk(logprob, ref_logprob) else check_kl_inputs  # a teacher's lk.TopK: its own checks
+    topk = isinstance(logprob, TopK) or isinstance(ref_logprob, TopK)  # a teacher's lk.TopK: its own checks
+    check = check_topk_inputs if topk else check_kl_inputs
     inputs = check(logprob, ref_logprob, spec, mask, old_logprob, sampled_logprob, level, sampling)
     kl = kl_penalty_values(inputs, spec, max_weight, level, kl_to_go, sampling)
     return kl.to(_out_dtype(inputs))

@@ -13,7 +13,8 @@ from torch import Tensor
 from lightning_kl.coefficient import ControllerState, live_controlled
 from lightning_kl.compute import check_max_weight, kl_penalty_values
 from lightning_kl.controllers import KLController
-from lightning_kl.distill.inputs import check_topk_inputs, has_topk
+from lightning_kl.distill.inputs import check_topk_inputs
+from lightning_kl.distill.topk import TopK
 from lightning_kl.estimators import EstimatorName, parse_estimator
 from lightning_kl.ground.checks import warn_user
 from lightning_kl.ground.parallel import check_parallel_args, data_parallel_group, held_warnings
@@ -337,7 +338,8 @@ class KLPenaltyLoss(ControllerState):
         with held_warnings(True) if collective else nullcontext() as held:  # (one process: no ground floor on the way)
             # an input refused here meets the other processes in the counts' or the metric's all-reduce
             with refused_alike(dp, self.agg, logprob, "KLPenaltyLoss", self.metric) if _distributed() else nullcontext():
-                check = check_topk_inputs if has_topk(logprob, ref_logprob) else check_kl_inputs  # a teacher's lk.TopK
+                topk = isinstance(logprob, TopK) or isinstance(ref_logprob, TopK)  # a teacher's lk.TopK: its own checks
+                check = check_topk_inputs if topk else check_kl_inputs
                 inputs = check(
                     logprob, ref_logprob, self.spec, mask, old_logprob, sampled_logprob, self.level, self.sampling,
                     num_tokens, num_seqs, accumulate_grad_batches,

@@ -21,12 +21,7 @@ from lightning_kl.ground.vocab_shards import local_part
 from lightning_kl.inputs import KLInputs, check_accumulate_grad_batches, check_count
 from lightning_kl.logprobs import FromHidden
 
-__all__ = ["check_topk_inputs", "has_topk"]
-
-
-def has_topk(logprob: Any, ref_logprob: Any) -> bool:
-    """Whether a call holds an :class:`~lightning_kl.TopK` (then :func:`check_topk_inputs` checks it)."""
-    return isinstance(logprob, TopK) or isinstance(ref_logprob, TopK)
+__all__ = ["check_topk_inputs"]
 
 
 def check_topk_inputs(
