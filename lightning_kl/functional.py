@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from lightning_kl.compute import check_max_weight, importance_weight, kl_penalty_compute, kl_penalty_values
+from lightning_kl.distill.inputs import check_topk_inputs
 from lightning_kl.distill.topk import TopK
 from lightning_kl.estimators import EstimatorSpec, parse_estimator
 from lightning_kl.ground.checks import DEFAULT_LOGPROB_SLACK, LOGPROB_SLACK
@@ -144,7 +145,9 @@ def kl_penalty(
     kl_to_go = check_kl_to_go(kl_to_go, level, spec.base == "full")
     sampling = resolve_sampling(sampling, temperature, spec.name, "kl_penalty")
     checked = sampling if kept is None else Sampling(sampling.temperature)  # a record replaces the truncation
-    inputs = check_kl_inputs(logprob, ref_logprob, spec, mask, old_logprob, sampled_logprob, level, checked)
+    topk = isinstance(logprob, TopK) or isinstance(ref_logprob, TopK)  # a teacher's lk.TopK: its own checks
+    check = check_topk_inputs if topk else check_kl_inputs
+    inputs = check(logprob, ref_logprob, spec, mask, old_logprob, sampled_logprob, level, checked)
     if kept is not None:
         kept = check_loss_kept(kept, inputs, spec, False, sampling.temperature)
     kl = kl_penalty_values(inputs, spec, max_weight, level, kl_to_go, sampling, kept=kept)

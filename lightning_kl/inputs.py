@@ -161,12 +161,6 @@ def check_kl_inputs(
     counts = (num_tokens, num_seqs, k)
     if spec.base == "full":
         return _check_full(logprob, ref_logprob, spec, mask, old_logprob, sampled_logprob, level == "sequence", sampling, counts)
-    if any(_is_topk(x) for x in (logprob, ref_logprob)):
-        raise TypeError(
-            f"`lk.TopK` (a teacher's top-k log-probs) is the other side of the 'full' estimator, got {spec.name!r}: the "
-            "sampled estimators take the teacher's log-probs of the sampled tokens as `ref_logprob` `[..., t]`. Valid with "
-            "a TopK: estimator='full', `(student_logits or lk.FromHidden, lk.TopK(ids, logprobs), mask)`."
-        )
     if any(_is_from_hidden(x) for x in (logprob, ref_logprob)):
         raise TypeError(
             f"`lk.FromHidden` inputs take the 'full' estimator with one for each model, got {spec.name!r} with "
@@ -205,8 +199,6 @@ def _check_full(
             "the current policy, so it needs no importance weights (they correct sampled tokens drawn by an "
             "older policy). Drop `old_logprob`, or use a sampled estimator."
         )
-    if _is_topk(x) or _is_topk(ref_x):
-        return _check_topk(x, ref_x, mask, sampled_logprob, sequence, counts)
     hidden = _is_from_hidden(x), _is_from_hidden(ref_x)
     if any(hidden) and not all(hidden):
         raise TypeError(
@@ -235,34 +227,6 @@ def _check_full(
         check_lead_shape("sampled_logprob", sampled_logprob, "logits", like if all(hidden) else x)
         check_logprobs({"sampled_logprob": sampled_logprob}, mask)
     return KLInputs(x, ref_x, mask, None, sampled_logprob, dtype, *counts)
-
-
-def _check_topk(x: Any, topk: Any, mask: Any, sampled_logprob: Any, sequence: bool, counts: tuple[Any, Any, Any]) -> KLInputs:
-    # a teacher's top-k as the other side: the mask against the student's positions here; the student, the payload's
-    # shape and values with the student (lightning_kl.distill.topk.topk_divergence, at the compute step)
-    if _is_topk(x):
-        raise TypeError(
-            "`lk.TopK` is the other side (the teacher), the second argument: pass the student's logits or lk.FromHidden "
-            "first, `(logits, lk.TopK(ids, logprobs), mask)`."
-        )
-    if sequence:
-        raise ValueError(
-            "a teacher's `lk.TopK` takes level='token' only: the sequence level's KL-to-go is the score function "
-            "gradient of the responses' full reverse KL, which a top-k payload does not give. Valid with a TopK: "
-            "level='token'."
-        )
-    _sampled_logprob_given(sampled_logprob, False)
-    hidden = _is_from_hidden(x)
-    like = x.hidden if hidden else local_part(x)
-    if not isinstance(like, Tensor):
-        raise TypeError(
-            f"the student beside an `lk.TopK` must be logits `[..., V]` (a tensor, a vocabulary shard) or lk.FromHidden, "
-            f"got {type(x).__name__}."
-        )
-    what = "hidden" if hidden else "logits"
-    mask = check_mask(mask, like, what, without="the last dimension")
-    dtype = torch.promote_types(torch.promote_types((x.weight if hidden else like).dtype, topk.logprobs.dtype), torch.float32)
-    return KLInputs(x, topk, mask, None, None, dtype, *counts)
 
 
 def check_sampled_logprob(sampled_logprob: object, logits: Any, full_sequence: bool) -> Optional[Tensor]:
@@ -524,13 +488,6 @@ def check_chunk_size(value: Any, name: str = "chunk_size") -> Optional[int]:
         raise ValueError(f"`{name}` must be a positive integer or None, got {value!r}.")
     return value
 
-
-
-def _is_topk(x: object) -> bool:
-    # lk.TopK is defined in lightning_kl.distill.topk, which imports this module (through logprobs)
-    from lightning_kl.distill.topk import TopK
-
-    return isinstance(x, TopK)
 
 
 def _is_from_hidden(x: object) -> bool:

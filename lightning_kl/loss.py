@@ -13,6 +13,8 @@ from torch import Tensor
 from lightning_kl.coefficient import ControllerState, live_controlled
 from lightning_kl.compute import check_max_weight, kl_penalty_values
 from lightning_kl.controllers import KLController
+from lightning_kl.distill.inputs import check_topk_inputs
+from lightning_kl.distill.topk import TopK
 from lightning_kl.estimators import EstimatorName, parse_estimator
 from lightning_kl.ground.checks import warn_user
 from lightning_kl.ground.parallel import check_parallel_args, data_parallel_group, distributed, held_warnings
@@ -344,7 +346,9 @@ class KLPenaltyLoss(ControllerState):
             # an input refused here meets the other processes in the counts' or the metric's all-reduce
             with refused_alike(dp, self.agg, logprob, "KLPenaltyLoss", self.metric) if distributed() else nullcontext():
                 # a record replaces the sampler's truncation (allowed on a split vocabulary then)
-                inputs = check_kl_inputs(
+                topk = isinstance(logprob, TopK) or isinstance(ref_logprob, TopK)  # a teacher's lk.TopK: its own checks
+                check = check_topk_inputs if topk else check_kl_inputs
+                inputs = check(
                     logprob, ref_logprob, self.spec, mask, old_logprob, sampled_logprob, self.level,
                     self.sampling if kept is None else Sampling(self.sampling.temperature), num_tokens, num_seqs, accumulate_grad_batches,
                 )
