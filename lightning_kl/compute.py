@@ -63,7 +63,7 @@ def full_kl_values(
     :class:`~lightning_kl.TopK` (any form of ``x``): the divergence coarsened onto its ids and a tail, the
     function ``lk.full_kl`` calls for it (:func:`~lightning_kl.distill.topk.topk_divergence`, which checks the payload).
     A truncating sampler on a vocabulary split was refused by the checks (:mod:`lightning_kl.inputs`).
-    ``kept``: the policy's recorded kept sets, checked (:func:`~lightning_kl.inputs.check_kept`): replayed in
+    ``kept``: the policy's recorded kept sets, checked (:func:`~lightning_kl.kept_inputs.check_kept`): replayed in
     place of the sampler's truncation (``sampling`` then gives the temperature).
     """
     if isinstance(ref_x, TopK):  # replay included: topk_divergence reads kept= itself
@@ -91,7 +91,7 @@ def kl_penalty_values(
     """Per-token values of checked inputs (:func:`~lightning_kl.inputs.check_kl_inputs`), in the compute dtype:
     the compute step of :func:`~lightning_kl.kl_penalty` and :class:`~lightning_kl.KLPenaltyLoss` alike
     (``divergence``: a checked ``(divergence, beta)`` for ``"full"``, at ``level="token"``; ``kept``: the
-    policy's recorded kept sets for ``"full"``, checked by :func:`~lightning_kl.inputs.check_kept`)."""
+    policy's recorded kept sets for ``"full"``, checked by :func:`~lightning_kl.kept_inputs.check_kept`)."""
     if spec.base == "full":
         kl = full_kl_values(inputs.logprob, inputs.ref_logprob, inputs.mask, _NEUTRAL if sampling is None else sampling, divergence, kept)
         if inputs.sampled_logprob is not None:

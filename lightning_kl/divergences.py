@@ -16,7 +16,8 @@ from torch import Tensor
 from lightning_kl.distill.topk import TopK, topk_divergence
 from lightning_kl.ground.sampler import Sampling
 from lightning_kl.ground.vocab_shards import VocabShard, is_vocab_parallel
-from lightning_kl.inputs import check_chunk_size, check_full_hidden_inputs, check_full_inputs, check_kept
+from lightning_kl.inputs import check_chunk_size, check_full_hidden_inputs, check_full_inputs
+from lightning_kl.kept_inputs import check_kept
 from lightning_kl.kernels.divergence import Divergence, check_divergence
 from lightning_kl.kernels.engine import REFERENCES, full_kl_kernel
 from lightning_kl.kernels.full import same_partition

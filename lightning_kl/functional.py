@@ -27,7 +27,8 @@ from lightning_kl.distill.topk import TopK
 from lightning_kl.estimators import EstimatorSpec, parse_estimator
 from lightning_kl.ground.checks import DEFAULT_LOGPROB_SLACK, LOGPROB_SLACK
 from lightning_kl.ground.sampler import Sampling
-from lightning_kl.inputs import KLInputs, check_aggregate_args, check_kl_inputs, check_loss_kept, resolve_sampling
+from lightning_kl.inputs import KLInputs, check_aggregate_args, check_kl_inputs, resolve_sampling
+from lightning_kl.kept_inputs import check_loss_kept
 from lightning_kl.logprobs import FromHidden
 from lightning_kl.reduce import AGG_MODES, AggMode, aggregate_checked, aggregate_counts_checked, check_agg_mode
 from lightning_kl.sequence import check_kl_to_go, check_level

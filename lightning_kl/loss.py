@@ -17,9 +17,10 @@ from lightning_kl.distill.inputs import check_topk_inputs
 from lightning_kl.distill.topk import TopK
 from lightning_kl.estimators import EstimatorName, parse_estimator
 from lightning_kl.ground.checks import warn_user
-from lightning_kl.ground.parallel import check_parallel_args, data_parallel_group, distributed, held_warnings
+from lightning_kl.ground.parallel import check_parallel_args, data_parallel_group, held_warnings
 from lightning_kl.ground.sampler import Sampling
-from lightning_kl.inputs import check_kl_inputs, check_loss_kept, resolve_sampling
+from lightning_kl.inputs import check_kl_inputs, resolve_sampling
+from lightning_kl.kept_inputs import check_loss_kept
 from lightning_kl.kernels.divergence import Divergence, check_divergence, kl_weights
 from lightning_kl.logprobs import FromHidden
 from lightning_kl.metric import KLMetric
@@ -344,7 +345,9 @@ class KLPenaltyLoss(ControllerState):
         # (raised as an error on one process only, it would leave the others waiting there)
         with held_warnings(True) if collective else nullcontext() as held:  # (one process: no ground floor on the way)
             # an input refused here meets the other processes in the counts' or the metric's all-reduce
-            with refused_alike(dp, self.agg, logprob, "KLPenaltyLoss", self.metric) if distributed() else nullcontext():
+            # ground/parallel.distributed()'s predicate, inline: the forward goes down the layers once (test_loss_path)
+            spread = torch.distributed.is_available() and torch.distributed.is_initialized()
+            with refused_alike(dp, self.agg, logprob, "KLPenaltyLoss", self.metric) if spread else nullcontext():
                 # a record replaces the sampler's truncation (allowed on a split vocabulary then)
                 topk = isinstance(logprob, TopK) or isinstance(ref_logprob, TopK)  # a teacher's lk.TopK: its own checks
                 check = check_topk_inputs if topk else check_kl_inputs

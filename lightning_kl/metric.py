@@ -10,7 +10,7 @@ from torch import Tensor
 from torchmetrics import Metric
 
 from lightning_kl.ground.checks import check_floating, check_mask
-from lightning_kl.ground.parallel import check_parallel_args, data_parallel_group, distributed, sum_or_refuse
+from lightning_kl.ground.parallel import check_parallel_args, data_parallel_group, sum_or_refuse
 from lightning_kl.reduce import masked_sums
 
 __all__ = ["DataParallelMetric", "KLMetric", "all_reduce_states"]
@@ -97,7 +97,8 @@ class DataParallelMetric(Metric):
         ``dist_sync_on_step=False``, or ``eval()`` mode)."""
         # in training mode only: a validation loop (eval() mode, Lightning logs it per epoch, synced at compute)
         # may run a different number of batches on each process
-        if not (self.sync_on_step and self.training) or not distributed():
+        # (ground/parallel.distributed()'s predicate, inline: the forward goes down the layers once, test_loss_path)
+        if not (self.sync_on_step and self.training) or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
             return None  # (no process group: one process, nothing to ask the ground floor)
         dp = data_parallel_group(*self.data_parallel)
         return dp if dp.size > 1 else None

@@ -14,6 +14,7 @@ LAYER_OF = {
     "kernels": 1,
     "estimators": 1,
     "inputs": 2,
+    "kept_inputs": 2,
     "compute": 2,
     "reduce": 2,
     "functional": 2,

@@ -67,7 +67,7 @@ from lightning_kl.ground.checks import check_mask, check_values, compute_dtype
 from lightning_kl.kernels.divergence import check_divergence, pointwise
 from lightning_kl.kernels.engine import REFERENCES, token_logprobs_kernel
 from lightning_kl.ground.sampler import Sampling
-from lightning_kl.inputs import check_kept
+from lightning_kl.kept_inputs import check_kept
 from lightning_kl.logprobs import FromHidden, sampler_of, source_of
 
 __all__ = ["TopK", "TopKDivergence", "topk_divergence"]
