@@ -157,8 +157,12 @@ def verl_forward_kl_topk() -> Callable:
     ``raw`` its ``distillation_losses`` (``[n]``, float32), ``clamped`` that after the registry's
     ``clamp_min(0.0)``, ``outputs`` the whole dict it returns (masses, overlap diagnostics). The teacher's
     tensors go in as the jagged nested tensors verl's batch holds (one sequence of ``n`` tokens)."""
+    import logging
+
     import torch
 
+    # building jagged nested tensors logs a note of torch.fx about is_fx_tracing, once per process: not ours to show
+    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
     path = package_root("verl") / "trainer" / "distillation" / "fsdp" / "losses.py"
     ns = _torch_namespace()
     ns.update(get_ulysses_sequence_parallel_world_size=lambda: 1, slice_input_tensor=None,

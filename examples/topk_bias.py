@@ -1,6 +1,6 @@
 r"""The top-k bias: the divergence to a teacher's top-k log-probs against the exact full one, beside verl's and TRL's.
 
-Run ``python examples/topk_bias.py`` (about a minute on a laptop CPU): it prints one markdown table per
+Run ``python examples/topk_bias.py`` (about 1.5 CPU-minutes): it prints one markdown table per
 direction, the ``docs/distillation.md`` tables. ``--quick`` is the test's configuration.
 
 **Rows.** Two related random models over a vocabulary of ``V`` ids (4,096 by default), ``--rows`` positions,
