@@ -8,8 +8,8 @@ recomputed here from the formula in float64 rather than taken from the script.
 * verl 0.9.1's ``forward_kl_topk`` on the same rows is ``max(0, D_I - T)`` with the tail term
   ``T = Q_t log(Q_t / P_t)``: below ``D_I`` exactly where ``T > 0``, so neither a lower bound of ``D_I`` nor of
   ``D``: on these rows it exceeds ``D_I`` and also ``D`` (the table's columns), and its clamp is active at k = 1;
-* TRL 1.16.0's tail-bucket forward KL is ``D_I`` (rows with both tails above its clamp); its top-1 support for ``beta > 0`` is a coarsening too, so
-  at most ``D``.
+* TRL 1.16.0's tail-bucket forward KL is ``D_I`` (rows with both tails above its clamp); its top-1 support for
+  ``beta > 0`` is a coarsening too, so at most ``D``.
 """
 
 from __future__ import annotations
