@@ -13,7 +13,7 @@ Cases, for each ``--shapes`` entry ``tokens x vocab`` (float32):
   - ``trl-chunked``: TRL's ``ChunkedDivergenceFunction``, the kernel ``DistillationTrainer`` calls (its torch
     path on a CPU: tiles of 4,096 tokens x 32,768 ids);
   - ``ours``: ``lk.full_kl(lk.FromHidden(h, w), lk.FromHidden(h_t, w_t), divergence="jsd", beta=beta)``.
-* ``topk-k{k}`` for each ``--ks``, the forward KL to a teacher's top-k log-probs (``[n, k]`` ids and
+* ``topk k=...`` for each of ``--ks``, the forward KL to a teacher's top-k log-probs (``[n, k]`` ids and
   log-probs):
   - ``verl``: verl's ``compute_forward_kl_topk`` (FSDP; ``F.log_softmax`` of the student's ``[n, V]``, a
     gather, its sum over the ids, the top-k overlap diagnostics it also returns), then the registry's
