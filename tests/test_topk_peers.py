@@ -67,3 +67,53 @@ def test_verls_forward_kl_topk_is_ours_without_the_tail_term_and_goes_negative()
     assert_close(ours.value, verl.double() + qt * (qt.log() - pt.log()), rtol=1e-6, atol=1e-6)  # verl's sums in float32
     assert (ours.value >= 0).all()
     assert (verl < 0).any()  # what verl's clamp_min(0.0) hides
+
+
+def test_nemos_zero_outside_topk_forward_is_ours_on_the_renormalized_payload():
+    """NeMo-RL (not pinned: its formula as ``DistillationLossFn`` and ``get_distillation_topk_logprobs_from_logits``
+    state it at commit 7ea279ab, written here): with ``zero_outside_topk=True`` and ``kl_type="forward"`` the
+    student's full-vocabulary log-probs at the teacher's ids against the ``log_softmax`` of the teacher's top-k
+    logits, ``sum q (log q - log p)``; ours on that renormalized payload (teacher tail 0, counted as its floor)."""
+    g = torch.Generator().manual_seed(2)
+    z = 2 * torch.randn(64, 50, generator=g, dtype=torch.float64)
+    topk_logits, ids = (2 * torch.randn(64, 50, generator=g, dtype=torch.float64)).topk(8, dim=-1)
+    q = topk_logits.log_softmax(-1)
+    p = z.log_softmax(-1).gather(-1, ids)
+    nemo = (q.exp() * (q - p)).sum(-1)
+    assert_close(lk.full_kl(z, lk.TopK(ids, q), divergence="forward"), nemo, rtol=0, atol=1e-12)
+    assert_close(lk.full_kl(z.float(), lk.TopK(ids, q.float()), divergence="forward").double(), nemo, rtol=0, atol=1e-4)
+    # its default (zero_outside_topk=False) renormalizes the student on the ids too: not ours, which keeps a tail
+    p_cond = z.gather(-1, ids).log_softmax(-1)
+    default = (q.exp() * (q - p_cond)).sum(-1)
+    assert (lk.full_kl(z, lk.TopK(ids, q), divergence="forward") - default).abs().max() > 1e-2
+
+
+def test_the_migration_guides_distillation_calls_run():
+    """Every call in the distillation section of docs/migration.md runs on consistent tensors (a renamed
+    argument, a wrong divergence name or a shape the call refuses fails here) and gives finite ``[b, t]`` values."""
+    import re
+
+    from _snippets import ROOT
+
+    text = (ROOT / "docs" / "migration.md").read_text().split("## On-policy distillation")[1].split("\n## ")[0]
+    spans = re.findall(r"`([^`]*\blk\.\w+\([^`]*)`", text)
+    assert len(spans) >= 12, spans
+    g = torch.Generator().manual_seed(3)
+    b, t, v, d, k = 2, 3, 11, 4, 5
+    h, w = torch.randn(b, t, d, generator=g), torch.randn(v, d, generator=g)
+    h_t, w_t = torch.randn(b, t, d, generator=g), torch.randn(v, d, generator=g)
+    logits, teacher_logits = h @ w.T, h_t @ w_t.T
+    teacher_topk_logits, ids = teacher_logits.topk(k, dim=-1)
+    ns = {"lk": lk, "h": h, "w": w, "h_t": h_t, "w_t": w_t, "logits": logits, "teacher_logits": teacher_logits,
+          "ids": ids, "logprobs": teacher_logits.log_softmax(-1).gather(-1, ids), "teacher_topk_logits": teacher_topk_logits,
+          "mask": torch.tensor([[True, True, False], [True, True, True]]),
+          "logprob": torch.randn(b, t, generator=g) - 2, "teacher_logprob": torch.randn(b, t, generator=g) - 2,
+          "value": torch.rand(b, t, generator=g), "advantages": torch.randn(b, t, generator=g),
+          "beta": 1.0, "mixed_kl_weight": 0.5, "opd_kl_coef": 1.0, "T": 0.9}  # fmt: skip  (the stacks' defaults; T any)
+    for span in spans:
+        code = span if "=" in span.split("(")[0] else f"_out = {span}"
+        out = dict(ns)
+        exec(code, out)
+        result = out[code.split("=")[0].strip()]
+        if isinstance(result, torch.Tensor) and result.dim() > 0:
+            assert result.shape == (b, t) and torch.isfinite(result).all(), span
