@@ -11,8 +11,6 @@ bad payload on rank 1 alone raised on both ranks. The tests below launch it and 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import traceback
 from pathlib import Path
@@ -23,8 +21,8 @@ import torch
 from torch.testing import assert_close
 
 import lightning_kl as lk
+from _ddp import run_ddp_worker
 
-ROOT = Path(__file__).resolve().parents[1]
 AGGS = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "token-sum", "seq-mean-token-sum-norm"]
 DIRECTIONS = [("reverse", None), ("forward", None), ("jsd", 0.3), ("mixed", 0.6)]
 WORLD, B, T, V, K, D = 2, 4, 5, 11, 4, 6
@@ -183,9 +181,9 @@ def _main(rank: int, out: str) -> None:
             lk.KLPenaltyLoss("full", global_batch=True)(x["z"][rows], lk.TopK(bad, x["lq"][rows]), mask[rows])
         except ValueError as err:
             raised["duplicate"] = str(err)
-        record: dict[str, Any] = {"rank": rank, "errors": errors, "raised": raised}
+        record: dict[str, Any] = {"rank": rank, "world_size": WORLD, "errors": errors, "raised": raised}
     except Exception:  # the record says what failed; the test shows it
-        record = {"rank": rank, "failure": traceback.format_exc()}
+        record = {"rank": rank, "world_size": WORLD, "failure": traceback.format_exc()}
     Path(out, f"rank{rank}.json").write_text(json.dumps(record))
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from _ddp import finish_worker
@@ -195,18 +193,8 @@ def _main(rank: int, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def records(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    out = tmp_path_factory.mktemp("topk_loss")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    try:
-        proc = subprocess.run([sys.executable, __file__, str(out)], env=env, capture_output=True, text=True, timeout=240)
-    except subprocess.TimeoutExpired as err:
-        pytest.fail(f"the 2-process top-k loss run did not finish in {err.timeout} s:\n{err.stderr}")
-    found = []
-    for rank in range(WORLD):
-        path = out / f"rank{rank}.json"
-        assert proc.returncode == 0 and path.exists(), f"worker failed (exit {proc.returncode}):\n{proc.stderr[-6000:]}"
-        found.append(json.loads(path.read_text()))
+    # this file is its own worker (its __main__), launched as every gloo worker is (tests/_ddp.py)
+    found = run_ddp_worker(Path(__file__), tmp_path_factory.mktemp("topk_loss"), world=WORLD, timeout=240)
     for record in found:
         assert "failure" not in record, record["failure"]
     return found

@@ -9,8 +9,6 @@ messages of the errors it raised. The test below launches it and reads the recor
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import traceback
 from pathlib import Path
@@ -19,7 +17,8 @@ from typing import Any
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from _ddp import run_ddp_worker
+
 WORLD, B, T, V, K, D = 2, 3, 5, 11, 4, 6
 CASES = [("reverse", None), ("forward", None), ("jsd", 0.3), ("mixed", 0.6)]
 
@@ -101,9 +100,9 @@ def _main(rank: int, out: str) -> None:
             lk.full_kl(lk.VocabShard(z[..., lo:hi], None, lo), dup, mask)
         except ValueError as err:
             raised["duplicate"] = str(err)
-        record: dict[str, Any] = {"rank": rank, "errors": errors, "raised": raised}
+        record: dict[str, Any] = {"rank": rank, "world_size": WORLD, "errors": errors, "raised": raised}
     except Exception:  # the record says what failed; the test shows it
-        record = {"rank": rank, "failure": traceback.format_exc()}
+        record = {"rank": rank, "world_size": WORLD, "failure": traceback.format_exc()}
     Path(out, f"rank{rank}.json").write_text(json.dumps(record))
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from _ddp import finish_worker
@@ -113,18 +112,8 @@ def _main(rank: int, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def records(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    out = tmp_path_factory.mktemp("topk_shards")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    try:
-        proc = subprocess.run([sys.executable, __file__, str(out)], env=env, capture_output=True, text=True, timeout=240)
-    except subprocess.TimeoutExpired as err:
-        pytest.fail(f"the 2-process top-k run did not finish in {err.timeout} s:\n{err.stderr}")
-    found = []
-    for rank in range(WORLD):
-        path = out / f"rank{rank}.json"
-        assert proc.returncode == 0 and path.exists(), f"worker failed (exit {proc.returncode}):\n{proc.stderr[-6000:]}"
-        found.append(json.loads(path.read_text()))
+    # this file is its own worker (its __main__), launched as every gloo worker is (tests/_ddp.py)
+    found = run_ddp_worker(Path(__file__), tmp_path_factory.mktemp("topk_shards"), world=WORLD, timeout=240)
     for record in found:
         assert "failure" not in record, record["failure"]
     return found
