@@ -1,7 +1,7 @@
-"""``RolloutCorrection(trust_region=..., batch_normalize=True)`` on 2 gloo processes, for
-``tests/test_trust_region_ddp.py``.
+"""``RolloutCorrection(trust_region=..., batch_normalize=True)`` on W gloo processes (2 or
+3), for ``tests/test_trust_region_ddp.py``.
 
-``python tests/_trust_region_worker.py OUT_DIR`` spawns 2 processes (gloo, a file store in OUT_DIR: no
+``python tests/_trust_region_worker.py OUT_DIR [W]`` spawns W processes (default 2) (gloo, a file store in OUT_DIR: no
 port; a process group timeout of :data:`PG_TIMEOUT_S`); each runs the cases of :func:`cases` in order and
 writes ``OUT_DIR/rank{r}.json``: per case, the error it raised (type and message) or the weights, and the
 seconds it took.
@@ -53,9 +53,9 @@ def cases(rank: int) -> dict[str, Callable[[], Any]]:
     }
 
 
-def _main(rank: int, out: str) -> None:
+def _main(rank: int, out: str, world: int) -> None:
     dist.init_process_group(
-        "gloo", init_method=f"file://{out}/store", rank=rank, world_size=WORLD,
+        "gloo", init_method=f"file://{out}/store", rank=rank, world_size=world,
         timeout=datetime.timedelta(seconds=PG_TIMEOUT_S),
     )  # fmt: skip
     torch.set_num_threads(1)
@@ -76,4 +76,5 @@ def _main(rank: int, out: str) -> None:
 
 
 if __name__ == "__main__":
-    torch.multiprocessing.spawn(_main, args=(sys.argv[1],), nprocs=WORLD, join=True)
+    world = int(sys.argv[2]) if len(sys.argv) > 2 else WORLD  # 2 (the default) or 3
+    torch.multiprocessing.spawn(_main, args=(sys.argv[1], world), nprocs=world, join=True)

@@ -1,4 +1,4 @@
-"""``RolloutCorrection(trust_region=..., batch_normalize=True)`` on 2 gloo processes
+"""``RolloutCorrection(trust_region=..., batch_normalize=True)`` on 2 and on 3 gloo processes
 (``tests/_trust_region_worker.py``): the gated weights are each rank's share of one process's on the
 concatenated batch (the mean weight is the group's), and missing or misshaped advantages on one rank are
 refused on every rank, promptly, with the collectives still paired after."""
@@ -25,16 +25,17 @@ _spec.loader.exec_module(worker)
 PROMPT_S = 20.0  # far below the process group's timeout (60 s)
 
 
-@pytest.fixture(scope="module")
-def records(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    out = run_ddp_worker(WORKER_PATH, tmp_path_factory.mktemp("trust_region_ddp"), world=worker.WORLD, timeout=200)
+@pytest.fixture(scope="module", params=[2, 3], ids=["2 ranks", "3 ranks"])
+def records(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    world = request.param
+    out = run_ddp_worker(WORKER_PATH, tmp_path_factory.mktemp(f"trust_region_ddp_{world}"), str(world), world=world, timeout=200)
     for r in out:
         assert "failure" not in r, r["failure"]
     return out
 
 
 def test_the_gated_weights_are_one_processs_on_the_concatenated_batch(records: list[dict[str, Any]]) -> None:
-    parts = [worker.inputs(rank) for rank in range(worker.WORLD)]
+    parts = [worker.inputs(rank) for rank in range(len(records))]
     lp, ro, mask, adv = (torch.cat([p[i] for p in parts]) for i in range(4))
     out = worker.make()(lp, ro, mask, advantages=adv)
     assert ((out.weights == 0) & mask).any() and (out.weights > 0).any()  # the gate bites, some pass
@@ -56,6 +57,6 @@ def test_a_refusal_on_one_rank_is_raised_on_every_rank(records: list[dict[str, A
     for rank, result in enumerate(results):
         assert result.get("error") == "ValueError", (rank, result)
         assert result["seconds"] < PROMPT_S
-    assert results[0]["message"] == results[1]["message"]
+    assert all(result["message"] == results[0]["message"] for result in results)
     assert f"(found on rank {found_on}; every rank raises this error)" in results[0]["message"]
     assert re.search(match, results[0]["message"])
